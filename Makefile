@@ -1,0 +1,36 @@
+# The two commands a new user needs:  `make lab`  and  `make test`.
+PYTHON ?= python3.11
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.dtcourse-installed
+
+.PHONY: setup lab test exercises bench clean
+
+setup: $(STAMP)
+
+# Re-installs only when the pins change. One thread per process keeps the
+# 2-core CI machine from oversubscribing while several ranks run.
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	@touch $(STAMP)
+
+lab: setup
+	$(VENV)/bin/jupyter lab --notebook-dir=. lessons/
+
+test: setup
+	@$(PY) -m dtcourse.exercises --check
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q --nbval-lax --nbval-current-env --nbval-cell-timeout=300 -p no:randomly lessons solutions
+
+# Regenerate the student notebooks from solutions/ (needs no nbgrader).
+exercises:
+	@$(if $(wildcard $(PY)),$(PY),python3) -m dtcourse.exercises
+
+bench: setup
+	OMP_NUM_THREADS=1 $(PY) -m dtcourse.bench.launch
+	OMP_NUM_THREADS=1 $(PY) -m dtcourse.bench.collectives
+
+clean:
+	rm -rf $(VENV) .pytest_cache
