@@ -3,6 +3,8 @@ PYTHON ?= python3.11
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.dtcourse-installed
+# Notebooks call `!torchrun` and `jupyter`: find the venv's copies first.
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
 .PHONY: setup lab test exercises bench clean
 

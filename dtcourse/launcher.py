@@ -25,8 +25,9 @@ The same ``fn`` runs unchanged under ``torchrun`` by calling
 
 How the pieces fit:
 
-* The parent hosts a ``TCPStore`` on 127.0.0.1 with port 0, so the operating
-  system picks a free port; the children rendezvous through it.
+* The children rendezvous through a ``FileStore`` in a temporary file, and
+  gloo connects them over loopback (127.0.0.1) on ports the operating system
+  picks, so two launches never collide.
 * Each child gets three pipes: stdout, stderr and a result pipe. The parent
   multiplexes them with ``selectors``, prints each line prefixed by
   ``[rank r]``, and reads one pickled ``("ok", value)`` or ``("error", text)``
@@ -40,11 +41,13 @@ from __future__ import annotations
 
 import ctypes
 import datetime
+import faulthandler
 import os
 import pickle
 import selectors
 import signal
 import sys
+import tempfile
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -136,8 +139,8 @@ def _send(fd: int, message: tuple) -> None:
         view = view[os.write(fd, view):]
 
 
-def _child_main(fn, args, kwargs, rank, world_size, backend, port, timeout, threads, fds) -> None:
-    out_w, err_w, res_w = fds
+def _child_main(fn, args, kwargs, rank, world_size, backend, store_path, timeout, threads, fds) -> None:
+    out_w, err_w, res_w, stack_w = fds
     os.setpgid(0, 0)
     _set_parent_death_signal()
     signal.signal(signal.SIGINT, signal.SIG_DFL)
@@ -150,20 +153,24 @@ def _child_main(fn, args, kwargs, rank, world_size, backend, port, timeout, thre
     sys.stdin = open(0, closefd=False)
     sys.stdout = open(1, "w", buffering=1, closefd=False)
     sys.stderr = open(2, "w", buffering=1, closefd=False)
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-    )
+    # On a timeout the parent sends SIGUSR1 and reports where each stuck rank was.
+    faulthandler.register(signal.SIGUSR1, file=os.fdopen(stack_w, "w", closefd=False), all_threads=False)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size))
+    # gloo listens on a free port (the OS picks it) on this interface: loopback
+    # unless the user chose another, so nothing is exposed to the network.
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     if threads:
         os.environ["OMP_NUM_THREADS"] = str(threads)
         torch.set_num_threads(threads)
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
-                              timeout=datetime.timedelta(seconds=timeout))
+        store = dist.FileStore(store_path, world_size)
+        # The backend's own timeout comes later than launch's, so a hang is
+        # reported by launch (with the stuck ranks' stacks), not as a gloo error.
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout))
+                                timeout=datetime.timedelta(seconds=timeout + 60))
         result = fn(*args, **kwargs)
     except BaseException:
         message = ("error", traceback.format_exc())
@@ -185,7 +192,7 @@ def _child_main(fn, args, kwargs, rank, world_size, backend, port, timeout, thre
             signal.pause()
     finally:
         # Skip the parent's atexit handlers and destructors (Jupyter's, the
-        # TCPStore server's): this process is a fork and owns none of them.
+        # open files and sockets): this process is a fork and owns none of them.
         os._exit(0)
 
 
@@ -196,9 +203,10 @@ def _child_main(fn, args, kwargs, rank, world_size, backend, port, timeout, thre
 class _Rank:
     rank: int
     pid: int
-    fds: dict[int, str]                       # fd -> "out" | "err" | "res"
+    fds: dict[int, str]                       # fd -> "out" | "err" | "res" | "stack"
     partial: dict[str, bytes] = field(default_factory=lambda: {"out": b"", "err": b""})
     result: bytes = b""
+    stack: bytes = b""
     message: tuple | None = None
     reaped: bool = False
 
@@ -269,13 +277,16 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float =
     backend = _check_inputs(fn, world_size, backend)
     sys.stdout.flush()
     sys.stderr.flush()
-    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=timeout))
+    # Rendezvous through a FileStore: no server thread in the parent and no
+    # port to race for. (A TCPStore served from the parent left a late rank
+    # stuck connecting in about 1 launch in 50 on this machine.)
+    handle, store_path = tempfile.mkstemp(prefix="dtcourse-rendezvous-")
+    os.close(handle)
     ranks: list[_Rank] = []
     sel = selectors.DefaultSelector()
     try:
         for rank in range(world_size):
-            pipes = [os.pipe() for _ in range(3)]
+            pipes = [os.pipe() for _ in range(4)]
             pid = os.fork()
             if pid == 0:  # child
                 for r in ranks:
@@ -283,11 +294,12 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float =
                         os.close(fd)
                 for read_end, _ in pipes:
                     os.close(read_end)
-                _child_main(fn, args, kwargs, rank, world_size, backend, store.port, timeout, threads,
+                _child_main(fn, args, kwargs, rank, world_size, backend, store_path, timeout, threads,
                             [w for _, w in pipes])
             for _, write_end in pipes:
                 os.close(write_end)
-            info = _Rank(rank, pid, {pipes[0][0]: "out", pipes[1][0]: "err", pipes[2][0]: "res"})
+            info = _Rank(rank, pid, {pipes[0][0]: "out", pipes[1][0]: "err", pipes[2][0]: "res",
+                                     pipes[3][0]: "stack"})
             ranks.append(info)
             for fd, kind in info.fds.items():
                 sel.register(fd, selectors.EVENT_READ, (info, kind))
@@ -299,7 +311,10 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float =
         for r in ranks:
             for fd in r.fds:
                 os.close(fd)
-        del store
+        try:
+            os.unlink(store_path)
+        except FileNotFoundError:
+            pass
 
 
 def _collect(ranks: list[_Rank], sel: selectors.BaseSelector, timeout: float) -> list[Any]:
@@ -312,7 +327,8 @@ def _collect(ranks: list[_Rank], sel: selectors.BaseSelector, timeout: float) ->
             raise TimeoutError(
                 f"launch timed out after {timeout:g} s; rank(s) {stuck} still running. A common cause is a "
                 "collective or recv that another rank never reached (for example a call inside "
-                "`if rank == 0:`). All ranks were stopped; raise timeout= if the work is just slow.")
+                "`if rank == 0:`). All ranks were stopped; raise timeout= if the work is just slow."
+                + _where_stuck([ranks[r] for r in stuck], sel))
         for key, _ in sel.select(timeout=min(remaining, 1.0)):
             info, kind = key.data
             got_data = _read(key, sel)
@@ -332,17 +348,39 @@ def _read(key: selectors.SelectorKey, sel: selectors.BaseSelector) -> bool:
     chunk = os.read(key.fd, 1 << 16)
     if not chunk:
         sel.unregister(key.fd)
-        if kind != "res" and info.partial[kind]:
+        if info.partial.get(kind):
             _emit(info.rank, kind, info.partial[kind].decode(errors="replace"))
             info.partial[kind] = b""
         return False
     if kind == "res":
         info.result += chunk
+    elif kind == "stack":
+        info.stack += chunk
     else:
         *lines, info.partial[kind] = (info.partial[kind] + chunk).split(b"\n")
         for line in lines:
             _emit(info.rank, kind, line.decode(errors="replace"))
     return True
+
+
+def _where_stuck(stuck: list[_Rank], sel: selectors.BaseSelector) -> str:
+    """Ask each stuck rank for its Python stack (faulthandler) and format the innermost frames."""
+    for r in stuck:
+        try:
+            os.kill(r.pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            pass
+    end = time.monotonic() + 0.5
+    while time.monotonic() < end and not all(r.stack.count(b"\n") >= 2 for r in stuck):
+        for key, _ in sel.select(timeout=0.05):
+            _read(key, sel)
+    lines = []
+    for r in stuck:
+        frames = [ln.strip() for ln in r.stack.decode(errors="replace").splitlines()
+                  if ln.strip().startswith("File")]
+        if frames:
+            lines.append(f"  rank {r.rank} was at " + "\n      called from ".join(frames[:3]))
+    return ("\nWhere the stuck ranks were (innermost call first):\n" + "\n".join(lines)) if lines else ""
 
 
 def _drain(sel: selectors.BaseSelector, seconds: float = 1.0) -> None:

@@ -1,0 +1,330 @@
+"""The memory of one training step, by kind: parameters, gradients, optimizer states, activations.
+
+Everything here is measured on real tensors, then set beside a formula:
+
+* **Model states** (Rajbhandari et al. 2019, ZeRO, arXiv 1910.02054). With Adam a
+  parameter costs 16 bytes, with or without mixed precision:
+
+  precision      param  grad  optimizer states (K)       total
+  fp32           4      4     8  (Adam m, v)             16
+  mixed (bf16)   2      2     12 (fp32 master, m, v)     16
+
+  plus 4 bytes per parameter *tensor*: PyTorch's Adam keeps its step count as a
+  0-dim fp32 tensor in each parameter's state.
+* **Activations**: what autograd saves for backward, seen by a
+  ``saved_tensors_hooks`` during the forward. Each storage counts once (a tensor
+  saved twice, or a view of one saved, adds nothing). Parameters and buffers
+  saved for backward are model state, not activations; batch tensors count when
+  an op saves them. ``mlp_activation_bytes`` and ``gpt_activation_bytes`` predict
+  the count exactly; ``korthikanti_layer_bytes`` is the reference formula of
+  Korthikanti et al. 2022 (arXiv 2205.05198).
+
+Example::
+
+    from dtcourse.memory import measure_step, predict_adam_step
+    from dtcourse.models import MLP, regression_batch
+    m = measure_step(MLP(), regression_batch(64), torch.nn.functional.mse_loss)
+
+On CUDA, ``measure_step(..., device="cuda", by="allocator")`` measures the same
+step a second way, from ``torch.cuda.memory_allocated`` deltas (the caching
+allocator rounds each block up to 512 bytes, so it reads a little higher).
+Regions under ``torch.utils.checkpoint`` (non-reentrant) push their own hooks,
+so tensors they decline to save are, correctly, not counted.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence
+
+import torch
+import torch.nn as nn
+
+if TYPE_CHECKING:
+    from dtcourse.models import GPTConfig
+
+__all__ = ["StepMemory", "measure_step", "storage_bytes", "SavedTensors", "ADAM_BYTES_PER_PARAM",
+           "adam_model_state_bytes", "predict_adam_step", "mlp_activation_bytes",
+           "gpt_layer_activation_bytes", "gpt_activation_bytes", "korthikanti_layer_bytes",
+           "plot_step_memory", "table"]
+
+# bytes per parameter for (parameters, gradients, optimizer states) under Adam; K = 8 or 12.
+ADAM_BYTES_PER_PARAM = {"fp32": (4, 4, 8), "mixed": (2, 2, 12)}
+ADAM_STEP_BYTES = 4          # torch.optim.Adam's per-tensor `step`, a 0-dim fp32 tensor
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+@dataclass(frozen=True)
+class StepMemory:
+    """Bytes held by one training step, by kind (measured or predicted)."""
+
+    params: int
+    grads: int
+    optimizer_states: int
+    activations: int
+
+    KINDS = ("params", "grads", "optimizer_states", "activations")
+
+    @property
+    def model_states(self) -> int:
+        """Parameters + gradients + optimizer states: what ZeRO shards."""
+        return self.params + self.grads + self.optimizer_states
+
+    @property
+    def total(self) -> int:
+        return self.model_states + self.activations
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+def _storage_key(t: torch.Tensor) -> tuple[str, int]:
+    return str(t.device), t.untyped_storage().data_ptr()
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors``: views and repeats count once."""
+    seen: dict[tuple[str, int], int] = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            seen[_storage_key(t)] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+class SavedTensors(torch.autograd.graph.saved_tensors_hooks):
+    """Within ``with SavedTensors(model) as saved:``, record every tensor autograd saves for backward.
+
+    ``saved.nbytes`` sums distinct storages, leaving out the model's parameters and
+    buffers. References to the saved tensors are held only inside the ``with``
+    block, so that no storage is freed and its address reused while counting.
+    """
+
+    def __init__(self, model: nn.Module | None = None):
+        state = [*model.parameters(), *model.buffers()] if model is not None else []
+        self._excluded = {_storage_key(t) for t in state}
+        self._saved: dict[tuple[str, int], torch.Tensor] = {}
+        self.nbytes = 0
+        super().__init__(self._pack, lambda t: t)
+
+    def __enter__(self) -> "SavedTensors":
+        super().__enter__()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        super().__exit__(*exc_info)
+        self._saved.clear()
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        key = _storage_key(t)
+        if key not in self._excluded and key not in self._saved:
+            self._saved[key] = t
+            self.nbytes += t.untyped_storage().nbytes()
+        return t
+
+def _run_step(model: nn.Module, batch: Sequence[torch.Tensor], loss_fn: LossFn,
+              make_optimizer: OptimizerFactory, mixed_dtype: torch.dtype | None,
+              device: torch.device) -> tuple[StepMemory, StepMemory | None]:
+    cuda = device.type == "cuda"
+    allocated = (lambda: torch.cuda.memory_allocated(device)) if cuda else (lambda: 0)
+    a0 = allocated()
+    # The working model runs forward and backward. In mixed precision it is a
+    # 16-bit copy, and fp32 master weights (the `master` model) take the step.
+    work = copy.deepcopy(model).to(device=device, dtype=mixed_dtype)
+    a_params = allocated()
+    master = work if mixed_dtype is None else copy.deepcopy(model).to(device)
+    a_master = allocated()
+    optimizer = make_optimizer(master.parameters())
+    a_fwd0 = allocated()
+    inputs, targets = (t.to(device, mixed_dtype if mixed_dtype and t.is_floating_point() else None)
+                       for t in batch)
+    a_batch = allocated()
+    with SavedTensors(work) as saved:
+        loss = loss_fn(work(inputs), targets)
+    a_fwd = allocated()
+    loss.backward()
+    del loss
+    a_bwd = allocated()
+    grads = storage_bytes(p.grad for p in work.parameters())
+    if mixed_dtype is not None:
+        # fp32 copies of the 16-bit grads, alive only for the step. (Real
+        # implementations upcast bucket by bucket to keep this transient small.)
+        for pm, pw in zip(master.parameters(), work.parameters()):
+            pm.grad = pw.grad.float()
+    optimizer.step()
+    if mixed_dtype is not None:
+        with torch.no_grad():
+            for pm, pw in zip(master.parameters(), work.parameters()):
+                pm.grad = None
+                pw.copy_(pm)                # the updated master weights, rounded to 16 bits
+    a_step = allocated()
+    state = [t for s in optimizer.state.values() for t in s.values()]
+    masters = list(master.parameters()) if mixed_dtype is not None else []
+    counted = StepMemory(params=storage_bytes(work.parameters()), grads=grads,
+                         optimizer_states=storage_bytes(state + masters), activations=saved.nbytes)
+    if not cuda:
+        return counted, None
+    # Deltas between the marks above. The batch is moved inside the forward's
+    # window, as the tensor count includes the parts of it that ops save.
+    by_allocator = StepMemory(params=a_params - a0, grads=a_bwd - a_batch,
+                              optimizer_states=(a_step - a_bwd) + (a_master - a_params),
+                              activations=a_fwd - a_fwd0)
+    return counted, by_allocator
+
+
+def measure_step(model: nn.Module, batch: Sequence[torch.Tensor], loss_fn: LossFn,
+                 make_optimizer: OptimizerFactory = torch.optim.Adam, *,
+                 mixed_dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
+                 by: str = "tensors") -> StepMemory:
+    """Run one step, ``loss_fn(model(inputs), targets)``, backward, ``optimizer.step()``; return its bytes.
+
+    ``batch`` is ``(inputs, targets)``. The step runs on a deep copy, so ``model``
+    is left untouched. ``make_optimizer(params)`` builds the optimizer. With
+    ``mixed_dtype=torch.bfloat16`` (or float16) a 16-bit copy of the model does
+    forward and backward, and the optimizer steps fp32 master weights, which count
+    as optimizer state (ZeRO's K = 12 for Adam). ``by="tensors"`` counts the
+    tensors' bytes; ``by="allocator"`` (CUDA only) reads ``memory_allocated``
+    deltas around each phase of the same step.
+    """
+    device = torch.device(device)
+    if by not in ("tensors", "allocator"):
+        raise ValueError(f"measure_step: by must be 'tensors' or 'allocator', got {by!r}.")
+    if by == "allocator" and device.type != "cuda":
+        raise ValueError("measure_step: by='allocator' reads torch.cuda.memory_allocated, so it needs "
+                         "device='cuda'; on CPU use by='tensors'.")
+    if device.type == "cuda":
+        # A throwaway step first: the CUDA context, cuBLAS workspaces (one per
+        # stream, and backward runs on its own thread) and allocator pools would
+        # otherwise appear inside the measured deltas.
+        _run_step(model, batch, loss_fn, make_optimizer, mixed_dtype, device)
+    counted, by_allocator = _run_step(model, batch, loss_fn, make_optimizer, mixed_dtype, device)
+    return counted if by == "tensors" else by_allocator
+
+
+# --------------------------------------------------------------------------- #
+# Predictions
+# --------------------------------------------------------------------------- #
+def adam_model_state_bytes(n_params: int, mixed: bool = False) -> int:
+    """ZeRO's (2 + 2 + K)Ψ for mixed precision, (4 + 4 + 8)Ψ for fp32: 16Ψ both ways."""
+    return sum(ADAM_BYTES_PER_PARAM["mixed" if mixed else "fp32"]) * n_params
+
+
+def predict_adam_step(model: nn.Module, activations: int = 0, *, mixed: bool = False) -> StepMemory:
+    """The model-state bytes an Adam step must hold for ``model``, from the table above."""
+    params = {_storage_key(p): p for p in model.parameters()}.values()   # tied weights count once
+    n_params, n_tensors = sum(p.numel() for p in params), len(params)
+    p, g, k = ADAM_BYTES_PER_PARAM["mixed" if mixed else "fp32"]
+    return StepMemory(params=p * n_params, grads=g * n_params,
+                      optimizer_states=k * n_params + ADAM_STEP_BYTES * n_tensors,
+                      activations=activations)
+
+
+def mlp_activation_bytes(sizes: Sequence[int], batch_size: int, loss: str = "mse",
+                         dtype: torch.dtype = torch.float32) -> int:
+    """Exact saved bytes for ``models.MLP(sizes)`` on a batch of ``batch_size``.
+
+    The first Linear saves its input x (for its weight's gradient). Each ReLU
+    saves its output, which the next Linear saves too (one storage). MSE saves
+    the output and the target; cross-entropy saves log-probabilities, the int64
+    labels and a 0-dim total weight.
+    """
+    B, e = batch_size, dtype.itemsize
+    hidden = B * e * sum(sizes[:-1])               # x and every ReLU output
+    if loss == "mse":
+        return hidden + 2 * B * sizes[-1] * e
+    if loss == "cross_entropy":
+        return hidden + B * sizes[-1] * e + 8 * B + e
+    raise ValueError(f"mlp_activation_bytes: loss must be 'mse' or 'cross_entropy', got {loss!r}.")
+
+
+def gpt_layer_activation_bytes(config: GPTConfig, batch_size: int, seq_len: int,
+                               dtype: torch.dtype = torch.float32) -> int:
+    """Saved bytes of one ``models.Block`` (dropout 0), derived op by op.
+
+    With s = seq_len, b = batch_size, h = d_model, a = n_head and e bytes per element:
+
+    * ln_1 and ln_2 save their input (sbh each) and a mean and 1/std per token (2sb each);
+    * c_attn saves ln_1's output (sbh); q @ k^T saves q and k, and att @ v saves v,
+      as contiguous copies (3sbh) that matmul makes of the transposed head views;
+    * softmax saves its output (a s^2 b), which att @ v saves again (same storage);
+    * c_proj saves the re-joined heads (sbh); c_fc saves ln_2's output (sbh);
+    * GELU saves its input (4sbh) and the MLP's second Linear saves GELU's output (4sbh).
+
+    Total: e * (16 sbh + a s^2 b + 4 sb) = sbh(64 + 4as/h) + 16sb bytes in fp32.
+    """
+    if config.dropout:
+        raise ValueError("gpt_layer_activation_bytes is derived for dropout=0; dropout also saves "
+                         "masks. Use a GPTConfig with dropout=0.0.")
+    s, b, h, a, e = seq_len, batch_size, config.d_model, config.n_head, dtype.itemsize
+    return e * (16 * s * b * h + a * s * s * b + 4 * s * b)
+
+
+def gpt_activation_bytes(config: GPTConfig, batch_size: int, seq_len: int | None = None,
+                         dtype: torch.dtype = torch.float32) -> int:
+    """Exact saved bytes for a ``models.GPT`` forward plus ``lm_loss``: layers, embeddings and head.
+
+    Outside the layers: the embeddings save the int64 token ids (8sb) and positions
+    (8s); ln_f saves sbh + 2sb; lm_head saves ln_f's output (sbh); the loss saves
+    log-probabilities (sbV), the int64 targets (8sb) and a 0-dim total weight.
+    """
+    s = config.block_size if seq_len is None else seq_len
+    b, h, V, e = batch_size, config.d_model, config.vocab_size, dtype.itemsize
+    layers = config.n_layer * gpt_layer_activation_bytes(config, b, s, dtype)
+    outside = 8 * s * b + 8 * s + e * (2 * s * b * h + 2 * s * b + s * b * V) + 8 * s * b + e
+    return layers + outside
+
+
+def korthikanti_layer_bytes(s: int, b: int, h: int, a: int) -> float:
+    """Korthikanti et al. 2022 (arXiv 2205.05198): sbh(34 + 5as/h) bytes per transformer layer.
+
+    Their layer is 16-bit with dropout. Dropping its three dropout masks (sbh +
+    sbh + as^2b) and the dropped-out attention copy (2as^2b) leaves sbh(32 + 2as/h);
+    fp32 doubles that to sbh(64 + 4as/h), our layer's count apart from the LayerNorm
+    statistics (16sb), which the paper neglects.
+    """
+    return s * b * h * (34 + 5 * a * s / h)
+
+
+# --------------------------------------------------------------------------- #
+# Figure
+# --------------------------------------------------------------------------- #
+_UNITS = {"B": 1, "KiB": 2 ** 10, "MiB": 2 ** 20, "GiB": 2 ** 30}
+
+
+def plot_step_memory(cases: Mapping[str, tuple[StepMemory, StepMemory]], unit: str = "KiB"):
+    """Grouped bars, one panel per case: measured beside predicted bytes for each kind.
+
+    ``cases`` maps a title to ``(measured, predicted)``. Each panel's first bar
+    container is the measured one, the second the prediction (labels say so).
+    Returns the matplotlib Figure (no pyplot, so it draws headlessly).
+    """
+    from matplotlib.figure import Figure
+
+    if unit not in _UNITS:
+        raise ValueError(f"plot_step_memory: unit must be one of {list(_UNITS)}, got {unit!r}.")
+    scale = _UNITS[unit]
+    fig = Figure(figsize=(4.2 * len(cases), 3.6), layout="constrained")
+    axes = fig.subplots(1, len(cases), sharey=True, squeeze=False)[0]
+    x = range(len(StepMemory.KINDS))
+    for ax, (title, (measured, predicted)) in zip(axes, cases.items()):
+        for offset, label, mem, color in ((-0.2, "measured", measured, "tab:blue"),
+                                          (0.2, "predicted", predicted, "tab:orange")):
+            heights = [getattr(mem, kind) / scale for kind in StepMemory.KINDS]
+            ax.bar([i + offset for i in x], heights, width=0.4, label=label, color=color)
+        ax.set_xticks(list(x), ["params", "grads", "optimizer\nstates", "activations"])
+        ax.set_title(f"{title}\nmeasured total {measured.total / scale:,.0f} {unit}", fontsize=10)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].set_ylabel(unit)
+    axes[0].legend()
+    return fig
+
+
+def table(columns: Mapping[str, StepMemory]) -> str:
+    """A text table of bytes: one row per kind plus model states and total, one column per entry."""
+    width = max(14, *(len(name) + 2 for name in columns))
+    lines = [" " * 18 + "".join(f"{name:>{width}}" for name in columns)]
+    for row in (*StepMemory.KINDS, "model_states", "total"):
+        lines.append(f"{row:<18}" + "".join(f"{getattr(m, row):>{width},}" for m in columns.values()))
+    return "\n".join(lines)
+
