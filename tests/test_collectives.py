@@ -1,0 +1,184 @@
+"""Naive, tree and ring collectives against torch.distributed, bit-identity across ranks, byte counts.
+
+Many cases run inside one launch per world size, so the suite stays fast on 2 cores.
+"""
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed import ReduceOp
+
+from dtcourse import launch
+from dtcourse.collectives import (
+    ALGORITHMS, ByteCounter, algbw, analytic_bytes, busbw, chunk_sizes, fit_alpha_beta, predict_time,
+    ring_all_gather, ring_reduce_scatter,
+)
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+# The reference sums in a different order than our algorithms, so results may
+# differ by rounding: a few units in the last place of each dtype, times N terms.
+TOLERANCE = {torch.float16: 1e-2, torch.bfloat16: 5e-2, torch.float32: 1e-5, torch.float64: 1e-12}
+
+
+def _rank_data(numel: int, dtype: torch.dtype, rank: int, salt: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * salt + rank)
+    return torch.randn(numel, generator=g, dtype=torch.float64).to(dtype)
+
+
+def _all_reduce_cases(lengths):
+    """On every rank: run each algorithm on each (length, dtype, op); return results and the reference."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for name, algorithm in ALGORITHMS.items():
+        for numel in lengths:
+            for dtype in DTYPES:
+                for op in (ReduceOp.SUM, ReduceOp.AVG):
+                    x = _rank_data(numel, dtype, rank, salt=numel)
+                    # gloo has no AVG: the reference is a float64 sum divided by N
+                    ref = _rank_data(numel, torch.float64, rank, salt=numel).to(dtype).double()
+                    dist.all_reduce(ref)
+                    if op == ReduceOp.AVG:
+                        ref /= world
+                    counter = ByteCounter()
+                    algorithm(x, op=op, counter=counter)
+                    out[name, numel, dtype, str(op)] = (x, ref.to(dtype), counter.sent, counter.received)
+    return out
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5])
+def test_all_reduce_matches_torch_and_is_bit_identical(world_size):
+    lengths = [1, 2, 3, 7, 64, 1001]  # smaller than N, not divisible by N, and larger
+    per_rank = launch(_all_reduce_cases, world_size, lengths, timeout=120)
+    for key, (x0, ref0, _, _) in per_rank[0].items():
+        name, numel, dtype, op = key
+        tol = TOLERANCE[dtype] * max(1, world_size)
+        torch.testing.assert_close(x0, ref0, atol=tol, rtol=tol, msg=lambda m: f"{key}: {m}")
+        for rank in range(1, world_size):
+            assert torch.equal(per_rank[rank][key][0], x0), f"{key}: rank {rank} differs from rank 0"
+
+
+def _ring_rs_ag_cases(chunk_numels):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for k in chunk_numels:
+        for dtype in DTYPES:
+            x = _rank_data(world * k, dtype, rank, salt=k).reshape(world, k)   # 2-D input works too
+            mine = torch.empty(k, dtype=dtype)
+            before = x.clone()
+            ring_reduce_scatter(mine, x)
+            assert torch.equal(x, before), "reduce-scatter must leave its input untouched"
+            ref_out = torch.empty(k, dtype=torch.float64)             # reference summed in float64
+            dist.reduce_scatter_tensor(ref_out, x.double().reshape(-1))
+            gathered, ref_gathered = torch.empty(world * k, dtype=dtype), torch.empty(world * k, dtype=dtype)
+            ring_all_gather(gathered, mine)
+            dist.all_gather_into_tensor(ref_gathered, mine)
+            out[k, dtype] = (mine, ref_out.to(dtype), gathered, ref_gathered)
+    return out
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 5])
+def test_ring_reduce_scatter_and_all_gather_follow_torch(world_size):
+    per_rank = launch(_ring_rs_ag_cases, world_size, [1, 5, 33], timeout=120)
+    for rank, cases in enumerate(per_rank):
+        for (k, dtype), (mine, ref, gathered, ref_gathered) in cases.items():
+            tol = TOLERANCE[dtype] * max(1, world_size)
+            torch.testing.assert_close(mine, ref, atol=tol, rtol=tol)
+            assert torch.equal(gathered, ref_gathered), f"all-gather differs at rank {rank}, k={k}, {dtype}"
+
+
+def _shape_errors():
+    errors = []
+    for call in (lambda: ring_reduce_scatter(torch.empty(3), torch.empty(10)),
+                 lambda: ring_all_gather(torch.empty(10), torch.empty(3)),
+                 lambda: ring_reduce_scatter(torch.empty(3), torch.empty(9, dtype=torch.float64)),
+                 lambda: ALGORITHMS["ring"](torch.ones(4), op=ReduceOp.MAX)):
+        try:
+            call()
+            errors.append(None)
+        except (ValueError, TypeError) as exc:
+            errors.append(str(exc))
+    return errors
+
+
+def test_shape_and_op_errors_say_what_to_change():
+    errors = launch(_shape_errors, 3)[0]
+    assert "input has 10 elements but must have world_size (3) x output.numel() (3) = 9" in errors[0]
+    assert "output has 10 elements but must have world_size (3) x input.numel() (3) = 9" in errors[1]
+    assert "dtype" in errors[2]
+    assert "ReduceOp.SUM or ReduceOp.AVG" in errors[3]
+
+
+def _count_bytes(numel):
+    counts = {}
+    for name, algorithm in ALGORITHMS.items():
+        counter = ByteCounter()
+        algorithm(torch.ones(numel), counter=counter)
+        counts[name] = (counter.sent, counter.received, len(counter.messages))
+    return counts
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4, 5])
+def test_byte_counters_match_the_analytic_volumes(world_size):
+    numel = 60 * world_size          # divisible, so the ring formula is exact
+    nbytes = numel * 4
+    per_rank = launch(_count_bytes, world_size, numel)
+    for rank, counts in enumerate(per_rank):
+        for name in ALGORITHMS:
+            sent, received, _ = counts[name]
+            assert (sent, received) == analytic_bytes(name, nbytes, world_size, rank), (name, rank)
+    n, s = world_size, nbytes
+    # the headline numbers of lesson 01, written out
+    assert per_rank[0]["ring"][0] == 2 * (n - 1) / n * s
+    assert per_rank[0]["naive"][:2] == ((n - 1) * s, (n - 1) * s)
+    # ring: every rank sends 2(N-1) messages
+    assert all(c["ring"][2] == 2 * (n - 1) for c in per_rank)
+
+
+@pytest.mark.parametrize("world_size", [3, 5])
+def test_ring_bytes_with_uneven_chunks(world_size):
+    numel = 7 * world_size + 2       # not divisible: chunks differ by one element
+    per_rank = launch(_count_bytes, world_size, numel)
+    sizes = chunk_sizes(numel, world_size)
+    for rank, counts in enumerate(per_rank):
+        # reduce-scatter sends chunks rank-1, rank-2, ...; all-gather sends rank, rank-1, ...
+        rs = [sizes[(rank - s - 1) % world_size] for s in range(world_size - 1)]
+        ag = [sizes[(rank - s) % world_size] for s in range(world_size - 1)]
+        assert counts["ring"][0] == 4 * (sum(rs) + sum(ag))
+        assert abs(counts["ring"][0] - 2 * (world_size - 1) / world_size * numel * 4) <= 4 * 2 * (world_size - 1)
+
+
+def test_chunk_sizes():
+    assert chunk_sizes(10, 3) == [4, 3, 3]
+    assert chunk_sizes(2, 5) == [1, 1, 0, 0, 0]
+    assert sum(chunk_sizes(1001, 7)) == 1001
+
+
+def test_analytic_tree_edges_sum_to_n_minus_one_per_direction():
+    for n in range(1, 17):
+        total = sum(analytic_bytes("tree", 1, n, r)[0] for r in range(n))
+        assert total == 2 * (n - 1)  # each of N-1 tree edges carries one message up and one down
+
+
+def test_cost_model_and_bandwidth_definitions():
+    alpha, beta = 1e-5, 1e-9
+    s = 1 << 20
+    assert predict_time("ring", s, 4, alpha, beta) == pytest.approx(6 * alpha + 1.5 * s * beta)
+    assert predict_time("tree", s, 5, alpha, beta) == pytest.approx(6 * (alpha + s * beta))
+    assert predict_time("naive", s, 4, alpha, beta) == pytest.approx(6 * (alpha + s * beta))
+    # ring's bandwidth term tends to 2 S beta as N grows; naive's grows without bound
+    assert predict_time("ring", s, 1000, 0, beta) < 2 * s * beta < predict_time("naive", s, 3, 0, beta)
+    assert algbw(100, 2) == 50
+    assert busbw("all_reduce", 100, 1, 4) == pytest.approx(150)
+    assert busbw("all_gather", 100, 1, 4) == pytest.approx(75)
+    with pytest.raises(ValueError, match="unknown collective"):
+        busbw("broadcast", 1, 1, 2)
+
+
+def test_fit_alpha_beta_recovers_a_line():
+    sizes = [1e3, 1e4, 1e5, 1e6]
+    alpha, beta = fit_alpha_beta(sizes, [2e-5 + 3e-10 * s for s in sizes])
+    assert alpha == pytest.approx(2e-5, rel=1e-6)
+    assert beta == pytest.approx(3e-10, rel=1e-6)
+    assert math.isfinite(alpha)
