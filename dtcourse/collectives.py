@@ -289,11 +289,16 @@ def predict_time(algorithm: str, nbytes: float, world_size: int, alpha: float, b
 
 
 def fit_alpha_beta(nbytes: list[float], seconds: list[float]) -> tuple[float, float]:
-    """Least-squares fit of t = alpha + beta * S to measured one-way message times."""
+    """Fit t = alpha + beta * S to measured one-way message times.
+
+    Each sample is weighted by 1/t, so the fit minimises relative error: an
+    unweighted fit lets the largest messages decide alone and often drives
+    alpha below zero.
+    """
     x = torch.tensor(nbytes, dtype=torch.float64)
     y = torch.tensor(seconds, dtype=torch.float64)
-    design = torch.stack([torch.ones_like(x), x], dim=1)              # (M, 2)
-    alpha, beta = torch.linalg.lstsq(design, y.unsqueeze(1)).solution.squeeze(1).tolist()
+    design = torch.stack([torch.ones_like(x), x], dim=1) / y.unsqueeze(1)     # (M, 2), rows scaled by 1/t
+    alpha, beta = torch.linalg.lstsq(design, torch.ones_like(y).unsqueeze(1)).solution.squeeze(1).tolist()
     return max(alpha, 0.0), max(beta, 0.0)
 
 

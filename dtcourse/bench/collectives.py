@@ -41,6 +41,7 @@ def _time_rank(sizes: list[int], algorithms: list[str]) -> list[dict]:
             run = (lambda t: dist.all_reduce(t)) if name == BACKEND else ALGORITHMS[name]
             times = []
             for i in range(_iterations(nbytes) + 2):            # the first 2 are warm-up
+                x.fill_(1.0)                                    # repeated sums would overflow to inf
                 dist.barrier()
                 start = time.perf_counter()
                 run(x)
@@ -121,6 +122,7 @@ def plot(rows: list[dict], alpha: float | None = None, beta: float | None = None
                 predicted = [busbw("all_reduce", s, predict_time(name, s, n, alpha, beta), n) / 1e9 for s in sizes]
                 ax.plot(sizes, predicted, "--", color=line.get_color(), alpha=0.7, label=f"{name} (model)")
         ax.set_xscale("log")
+        ax.set_yscale("log")                     # small messages are latency-bound: keep them visible
         ax.set_title(f"all-reduce, N = {n}")
         ax.set_xlabel("message size (bytes)")
     axes[0][0].set_ylabel("bus bandwidth (GB/s)")
