@@ -18,8 +18,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]'
 	@touch $(STAMP)
 
+# --allow-root only when run as root (containers, CI boxes); ordinary users don't need it.
 lab: setup
-	$(VENV)/bin/jupyter lab --notebook-dir=. lessons/
+	$(VENV)/bin/jupyter lab --notebook-dir=. $(if $(filter 0,$(shell id -u)),--allow-root,) lessons/
 
 test: setup
 	@$(PY) -m dtcourse.exercises --check

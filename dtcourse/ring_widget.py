@@ -168,7 +168,7 @@ def ring_widget(world_size: int = 4, numel: int = 8):
 
     view = RingView(record_ring_all_reduce(world_size, numel))
     slider = widgets.IntSlider(value=0, min=0, max=view.steps, description="step")
-    image = widgets.Image(value=view.png(), format="png")
+    image = widgets.Image(value=view.png(), format="png", layout=widgets.Layout(max_width="560px"))
 
     def on_change(change):
         view.show(change["new"])
