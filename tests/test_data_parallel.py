@@ -1,0 +1,361 @@
+"""DistributedDataParallel: parity with one process and with torch DDP, no_sync, buckets, events, errors.
+
+Every world size runs all of its cases inside one launch, so the file stays fast on 2 cores.
+"""
+
+import contextlib
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from dtcourse import RankError, launch
+from dtcourse.data_parallel import COMMS, STRATEGIES, DistributedDataParallel, assign_buckets
+from dtcourse.models import GPT, GPTConfig, MLP, lm_loss, regression_batch, token_batch
+
+B = 12                    # global batch, divisible by every world size tested (1-4)
+ACC_B, MICRO = 36, 3      # accumulation: 36 / (N * 3) rows per micro-batch for N = 1..4
+STEPS, LR = 3, 1e-3
+SIZES = (7, 13, 11, 5)    # parameter numels 91, 13, 143, 11, 55, 5: none divisible by 2, 3 or 4
+MLP_CAP = 0.0002          # MiB, about 210 bytes: three buckets (see test_bucket_assignment)
+GPT_CFG = GPTConfig(vocab_size=32, block_size=8, n_layer=1, n_head=2, d_model=16)
+GPT_CAP = 0.002           # MiB, about 2 KiB: the 3.9k-parameter GPT in several buckets
+# float32 throughout. A rank's mean over B/N rows, averaged over N ranks, sums the
+# same numbers as the mean over B rows in another order: the gradients differ by a
+# few ulps (~1e-7 relative). Adam's update m/sqrt(v) inherits that relative error,
+# so after 3 steps of lr 1e-3 the parameters differ by ~1e-6 (1.3e-6 at most when
+# measured; `pytest -s` prints it), well inside 1e-5. Against torch DDP, torch
+# divides by N before summing and we after, and the N-term sums may run in another
+# order (torch's buckets differ, and comm="ring" is our own ring): bit-identical
+# for N <= 2 (one addition, an exact halving: asserted), 4.5e-7 measured at N = 3.
+TOL = 1e-5
+
+
+def _mlp() -> nn.Module:
+    model = MLP(SIZES, seed=0)
+    model.net[2].bias.requires_grad_(False)   # frozen: left out of every bucket
+    return model
+
+
+MODELS = {   # name: (build, batches(global batch, seed), loss, bucket cap)
+    "mlp": (_mlp, lambda b, s: regression_batch(b, SIZES[0], SIZES[-1], seed=s), F.mse_loss, MLP_CAP),
+    "gpt": (lambda: GPT(GPT_CFG, seed=0), lambda b, s: token_batch(GPT_CFG, b, seed=s), lm_loss, GPT_CAP),
+}
+
+
+def _train(model, net, batches, loss_fn, rank, world, micro=1):
+    """Adam on this rank's contiguous slice of each batch, in `micro` micro-batches (all but the last
+    under no_sync). Returns (parameters, last gradients), each flattened into one vector."""
+    opt = torch.optim.Adam(model.parameters(), lr=LR)
+    for x, y in batches:
+        rows = x.shape[0] // world
+        xs, ys = x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]
+        opt.zero_grad()
+        for j, (xm, ym) in enumerate(zip(xs.chunk(micro), ys.chunk(micro))):
+            quiet = net.no_sync() if j < micro - 1 else contextlib.nullcontext()
+            with quiet:
+                (loss_fn(net(xm), ym) / micro).backward()
+        opt.step()
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    grads = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
+    return params, grads
+
+
+def _parity_cases():
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for name, (build, batch, loss_fn, cap) in MODELS.items():
+        batches = [batch(B, s) for s in range(STEPS)]
+        ref = build()
+        out[name, "single"] = _train(ref, ref, batches, loss_fn, 0, 1)
+        for strategy in STRATEGIES:
+            for comm in COMMS:
+                model = build()
+                ddp = DistributedDataParallel(model, strategy=strategy, comm=comm, bucket_cap_mb=cap)
+                out[name, strategy, comm] = _train(model, ddp, batches, loss_fn, rank, world)
+        model = build()
+        out[name, "torch"] = _train(model, nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cap),
+                                    batches, loss_fn, rank, world)
+    # Gradient accumulation: 2 micro-batches under no_sync + 1 synced == one step on the full batch.
+    build, batch, loss_fn, cap = MODELS["mlp"]
+    batches = [batch(ACC_B, s) for s in range(STEPS)]
+    ref = build()
+    out["acc", "single"] = _train(ref, ref, batches, loss_fn, 0, 1)
+    for strategy in STRATEGIES:
+        for comm in COMMS:
+            model = build()
+            ddp = DistributedDataParallel(model, strategy=strategy, comm=comm, bucket_cap_mb=cap)
+            out["acc", strategy, comm] = _train(model, ddp, batches, loss_fn, rank, world, MICRO)
+    model = build()
+    out["acc", "torch"] = _train(model, nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cap),
+                                 batches, loss_fn, rank, world, MICRO)
+    return out
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_parity_with_single_process_and_torch_ddp(world_size):
+    per_rank = launch(_parity_cases, world_size, timeout=120)
+    results = per_rank[0]
+    worst = {"single": 0.0, "torch": 0.0}
+    for key, (params, grads) in results.items():
+        for rank in range(1, world_size):   # every replica must take exactly the same step
+            other = per_rank[rank][key]
+            assert torch.equal(other[0], params) and torch.equal(other[1], grads), f"{key}: rank {rank} differs"
+        if key[1] in ("single", "torch"):
+            continue
+        for ref in ("single", "torch"):
+            ref_params, ref_grads = results[key[0], ref]
+            torch.testing.assert_close(params, ref_params, atol=TOL, rtol=0, msg=lambda m: f"{key} vs {ref}: {m}")
+            torch.testing.assert_close(grads, ref_grads, atol=TOL, rtol=0, msg=lambda m: f"{key} vs {ref}: {m}")
+            worst[ref] = max(worst[ref], (params - ref_params).abs().max().item())
+        if world_size <= 2:   # one addition a + b per element, then an exact halving: the same bits as torch
+            assert torch.equal(params, results[key[0], "torch"][0]), f"{key}: not bit-identical to torch DDP"
+    print(f"N={world_size}: largest parameter difference vs one process {worst['single']:.2e}, "
+          f"vs torch DDP {worst['torch']:.2e}")
+
+
+def _subgroup_cases():
+    """Ranks {0, 1} and {2, 3} train separate replicas: each group starts from its own rank 0."""
+    rank = dist.get_rank()
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]   # every rank creates both, in order
+    g = rank // 2
+    out = {}
+    for strategy, comm in (("overlapped", "backend"), ("overlapped", "ring"), ("bucketed", "ring")):
+        model = MLP(SIZES, seed=rank)                           # differs on every rank before wrapping
+        ddp = DistributedDataParallel(model, strategy=strategy, comm=comm, bucket_cap_mb=MLP_CAP,
+                                      group=groups[g])
+        batches = [regression_batch(B, SIZES[0], SIZES[-1], seed=10 * g + s) for s in range(STEPS)]
+        out[strategy, comm] = _train(model, ddp, batches, F.mse_loss, rank % 2, 2)
+    ref = MLP(SIZES, seed=2 * g)                                 # group rank 0 is global rank 2g
+    batches = [regression_batch(B, SIZES[0], SIZES[-1], seed=10 * g + s) for s in range(STEPS)]
+    out["single"] = _train(ref, ref, batches, F.mse_loss, 0, 1)
+    return out
+
+
+def test_process_subgroups_average_only_within_their_group():
+    per_rank = launch(_subgroup_cases, 4, timeout=120)
+    for rank, results in enumerate(per_rank):
+        for key, (params, grads) in results.items():
+            assert torch.equal(params, per_rank[rank ^ 1][key][0]), f"{key}: ranks {rank}, {rank ^ 1} differ"
+            torch.testing.assert_close(params, results["single"][0], atol=TOL, rtol=0)
+    assert not torch.allclose(per_rank[0]["single"][0], per_rank[2]["single"][0])
+
+
+# --------------------------------------------------------------------------- #
+# Buckets, events, no_sync
+# --------------------------------------------------------------------------- #
+def test_assign_buckets_walks_backwards_and_closes_at_the_cap():
+    params = [torch.empty(n) for n in (10, 3, 4, 20, 1)]        # 40, 12, 16, 80, 4 bytes
+    assert assign_buckets(params, 16) == [[4, 3], [2], [1, 0]]  # 84 | 16 | 12+40: each closes at >= 16
+    assert assign_buckets(params, 10**6) == [[4, 3, 2, 1, 0]]
+    mixed = [torch.empty(2), torch.empty(2, dtype=torch.float64), torch.empty(2)]
+    assert assign_buckets(mixed, 10**6) == [[2], [1], [0]]      # a bucket is one flat tensor: one dtype
+
+
+def _events_and_layout():
+    rank = dist.get_rank()
+    x, y = regression_batch(4, SIZES[0], SIZES[-1], seed=rank)
+    out = {}
+    for strategy in STRATEGIES:
+        for comm in COMMS:
+            events = []
+            ddp = DistributedDataParallel(_mlp(), strategy=strategy, comm=comm, bucket_cap_mb=MLP_CAP,
+                                          on_event=lambda *e: events.append(e))
+            with ddp.no_sync():
+                F.mse_loss(ddp(x), y).backward()
+            local = [p.grad.clone() for p in ddp.module.parameters() if p.grad is not None]
+            quiet_kinds = {e[0] for e in events}
+            events.clear()
+            F.mse_loss(ddp(x), y).backward()
+            out[strategy, comm] = (ddp.buckets, quiet_kinds, [e[:2] for e in events], local)
+    return out
+
+
+def test_bucket_layout_events_and_no_sync():
+    per_rank = launch(_events_and_layout, 2)
+    for (strategy, comm), (buckets, quiet_kinds, events, local) in per_rank[0].items():
+        if strategy == "per_parameter":
+            assert buckets == [["net.4.bias"], ["net.4.weight"], ["net.2.weight"], ["net.0.bias"], ["net.0.weight"]]
+        else:   # 20+220 bytes >= 210 | 572 | 52+364; the frozen net.2.bias is in no bucket
+            assert buckets == [["net.4.bias", "net.4.weight"], ["net.2.weight"], ["net.0.bias", "net.0.weight"]]
+        assert quiet_kinds == {"forward", "grad"}, "no_sync must not communicate"
+        assert not all(torch.equal(a, b) for a, b in zip(local, per_rank[1][strategy, comm][3])), \
+            "under no_sync each rank keeps its own gradient"
+        kinds = [k for k, _ in events]
+        assert kinds[0] == "forward" and kinds[-1] == "backward"
+        assert kinds.count("all_reduce") == len(buckets) and kinds.count("grad") == 5
+        backend_async = (strategy, comm) == ("overlapped", "backend")
+        assert kinds.count("wait") == (len(buckets) if backend_async else 0)
+
+
+def _overlap_order():
+    """Launch times against gradient times: overlapped launches before backward ends, bucketed after."""
+    x, y = regression_batch(4, SIZES[0], SIZES[-1], seed=dist.get_rank())
+    out = {}
+    for strategy in ("bucketed", "overlapped"):
+        for comm in COMMS:
+            events = []
+            ddp = DistributedDataParallel(_mlp(), strategy=strategy, comm=comm, bucket_cap_mb=MLP_CAP,
+                                          on_event=lambda *e: events.append(e))
+            F.mse_loss(ddp(x), y).backward()
+            last_grad = max(e[2] for e in events if e[0] == "grad")
+            launches = sorted(e[2] for e in events if e[0] == "all_reduce")
+            out[strategy, comm] = sum(t < last_grad for t in launches)
+    return out
+
+
+def test_overlapped_buckets_start_before_backward_ends():
+    counts = launch(_overlap_order, 2)[0]
+    assert counts["bucketed", "backend"] == counts["bucketed", "ring"] == 0
+    # Buckets 0 and 1 fill before net.0's gradients exist; bucket 2 fills with the last gradient.
+    assert counts["overlapped", "backend"] == counts["overlapped", "ring"] == 2
+
+
+# --------------------------------------------------------------------------- #
+# Unused parameters
+# --------------------------------------------------------------------------- #
+class _WithExtra(nn.Module):
+    """The test MLP plus a head that forward uses only when asked to."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = _mlp()
+        with torch.random.fork_rng():
+            torch.manual_seed(1)
+            self.extra = nn.Linear(SIZES[-1], SIZES[-1])
+
+    def forward(self, x, use_extra=False):
+        h = self.body(x)
+        return self.extra(h) if use_extra else h
+
+
+UNUSED_CASES = [(strategy, "backend") for strategy in STRATEGIES] + [("overlapped", "ring")]
+
+
+def _unused_cases():
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x, y = regression_batch(B, SIZES[0], SIZES[-1], seed=0)
+    rows = B // world
+    xs, ys = x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]
+    out = {}
+    for strategy, comm in UNUSED_CASES:
+        ddp = DistributedDataParallel(_WithExtra(), strategy=strategy, comm=comm, bucket_cap_mb=MLP_CAP)
+        try:
+            F.mse_loss(ddp(xs), ys).backward()
+            out["error", strategy, comm] = None
+        except RuntimeError as exc:
+            out["error", strategy, comm] = str(exc)
+        t = torch.ones(1)
+        dist.all_reduce(t)                        # the ranks are still in step after the error
+        out["in_step", strategy, comm] = t.item()
+        # find_unused_parameters=True, with extra used by no rank, then by rank 0 only, against torch DDP
+        for use in ("none", "rank0"):
+            grads = []
+            for wrap in (lambda m: DistributedDataParallel(m, strategy=strategy, comm=comm, bucket_cap_mb=MLP_CAP,
+                                                           find_unused_parameters=True),
+                         lambda m: nn.parallel.DistributedDataParallel(m, find_unused_parameters=True)):
+                ddp = wrap(_WithExtra())
+                for _ in range(2):                # twice: the bookkeeping must reset between steps
+                    ddp.zero_grad(set_to_none=True)
+                    F.mse_loss(ddp(xs, use_extra=use == "rank0" and rank == 0), ys).backward()
+                grads.append({n: None if p.grad is None else p.grad.clone()
+                              for n, p in ddp.module.named_parameters()})
+            out["found", strategy, comm, use] = grads
+    return out
+
+
+def test_unused_parameters_raise_or_are_handled_like_torch():
+    world = 3
+    per_rank = launch(_unused_cases, world, timeout=120)
+    for rank, results in enumerate(per_rank):
+        for strategy, comm in UNUSED_CASES:
+            message = results["error", strategy, comm]
+            assert message and "['extra.weight', 'extra.bias']" in message \
+                and "find_unused_parameters=True" in message, message
+            assert results["in_step", strategy, comm] == world
+            for use in ("none", "rank0"):
+                ours, theirs = results["found", strategy, comm, use]
+                assert ours.keys() == theirs.keys()
+                for name in ours:
+                    if theirs[name] is None:
+                        assert ours[name] is None, f"{strategy} {comm} {use} {name}: torch leaves it None"
+                    else:   # same sums in another order (torch divides before summing): few-ulp differences
+                        torch.testing.assert_close(ours[name], theirs[name], atol=TOL, rtol=0)
+                        assert torch.equal(ours[name], per_rank[0]["found", strategy, comm, use][0][name])
+
+
+# --------------------------------------------------------------------------- #
+# Bad input
+# --------------------------------------------------------------------------- #
+def _bad_inputs():
+    rank = dist.get_rank()
+    errors = {}
+
+    def attempt(key, make):
+        try:
+            make()
+            errors[key] = None
+        except ValueError as exc:
+            errors[key] = str(exc)
+
+    attempt("shape", lambda: DistributedDataParallel(MLP((7, 13 + rank, 11, 5))))
+    frozen = MLP(SIZES)
+    frozen.net[0].bias.requires_grad_(rank == 0)
+    attempt("frozen", lambda: DistributedDataParallel(frozen))
+    attempt("depth", lambda: DistributedDataParallel(MLP(SIZES[: 3 + rank])))
+    attempt("cap zero", lambda: DistributedDataParallel(MLP(SIZES), bucket_cap_mb=0))
+    attempt("cap negative", lambda: DistributedDataParallel(MLP(SIZES), bucket_cap_mb=-1))
+    attempt("strategy", lambda: DistributedDataParallel(MLP(SIZES), strategy="fast"))
+    attempt("comm", lambda: DistributedDataParallel(MLP(SIZES), comm="nccl"))
+    model = MLP(SIZES)
+    ddp = DistributedDataParallel(model)
+    attempt("wrap the wrapper", lambda: DistributedDataParallel(ddp))
+    attempt("wrap twice", lambda: DistributedDataParallel(model))
+    attempt("torch ddp", lambda: DistributedDataParallel(nn.parallel.DistributedDataParallel(MLP(SIZES))))
+    # Parameters differ on rank 1 before wrapping: construction copies rank 0's everywhere.
+    differs = MLP(SIZES, seed=rank)
+    DistributedDataParallel(differs)
+    errors["broadcast"] = torch.cat([p.detach().reshape(-1) for p in differs.parameters()])
+    return errors
+
+
+def test_bad_input_errors_say_what_to_change():
+    per_rank = launch(_bad_inputs, 2)
+    for errors in per_rank:
+        assert ("rank 0 has parameter 'net.0.weight' (shape (13, 7), torch.float32, requires_grad=True) where "
+                "rank 1 has parameter 'net.0.weight' (shape (14, 7)") in errors["shape"]
+        assert "same model" in errors["shape"]
+        assert "'net.0.bias' (shape (13,), torch.float32, requires_grad=True) where rank 1 has parameter " \
+               "'net.0.bias' (shape (13,), torch.float32, requires_grad=False)" in errors["frozen"]
+        assert "rank 0 has nothing where rank 1 has parameter 'net.4.weight'" in errors["depth"]
+        for key in ("cap zero", "cap negative"):
+            assert "bucket_cap_mb must be a positive number of MiB" in errors[key]
+        assert "strategy must be one of" in errors["strategy"] and "'fast'" in errors["strategy"]
+        assert "comm must be one of" in errors["comm"]
+        for key in ("wrap the wrapper", "wrap twice", "torch ddp"):
+            assert "already wrapped" in errors[key], key
+    assert torch.equal(per_rank[0]["broadcast"], per_rank[1]["broadcast"])
+
+
+def test_without_a_process_group_the_error_says_how_to_start_one():
+    with pytest.raises(RuntimeError, match="dtcourse.launch"):
+        DistributedDataParallel(MLP(SIZES))
+
+
+def test_a_rank_error_reaches_the_caller():
+    def fn():
+        DistributedDataParallel(MLP(SIZES), bucket_cap_mb=0)
+
+    with pytest.raises(RankError, match="bucket_cap_mb"):
+        launch(fn, 1)
+
+
+def _strategy_from_overlap():
+    return [DistributedDataParallel(MLP(seed=0), overlap=flag).strategy for flag in (True, False)] + \
+        [DistributedDataParallel(MLP(seed=0), 25, False, None, strategy="per_parameter").strategy]
+
+
+def test_overlap_flag_picks_step_three_or_two():
+    assert launch(_strategy_from_overlap, 2)[0] == ["overlapped", "bucketed", "per_parameter"]
