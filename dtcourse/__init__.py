@@ -1,9 +1,16 @@
 """dtcourse: distributed deep-learning training, taught with runnable code.
 
-Each module implements one technique and the lessons in ``lessons/`` import
-it: ``dtcourse.launch`` (ranks from a notebook, in ``launcher.py``), ``dtcourse.collectives``
-(naive, tree and ring all-reduce from send/recv), ``dtcourse.memory`` (bytes of
-a training step), ``dtcourse.models`` (the shared tiny models).
+Each module implements one technique, and the lessons in ``lessons/`` import
+it:
+
+* ``dtcourse.launch`` (in ``launcher.py``): ranks from a notebook, or under torchrun
+* ``dtcourse.collectives``: naive, tree and ring all-reduce from send/recv
+* ``dtcourse.memory``: the bytes of a training step, by kind
+* ``dtcourse.models``: the shared tiny GPT and MLP
+* ``dtcourse.data_parallel``: DDP in three steps
+* ``dtcourse.ring_widget``, ``dtcourse.collective_figures``: lesson 01's pictures
+* ``dtcourse.exercises``, ``dtcourse.grade``, ``dtcourse.checks``: exercises and autograder
+* ``dtcourse.bench.*``: benchmark scripts, e.g. ``python -m dtcourse.bench.collectives``
 
 Importing the package itself is cheap and needs no torch, so the exercise
 generator (``python -m dtcourse.exercises``) runs with a bare Python.
