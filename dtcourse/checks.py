@@ -16,15 +16,25 @@ Example::
 world size; the autograder sets it (``python -m dtcourse.grade --check-timeout``).
 By default the student's function may use only point-to-point messages: while
 it runs, the collectives in ``torch.distributed`` raise.
+
+Exercise 02 (gradient buckets) has three more: ``check_bucket_assignment`` holds a
+student's ``assign_buckets`` to ``dtcourse.data_parallel.assign_buckets``;
+``check_ddp_parity`` trains with a student's DDP wrapper on N ranks next to one
+process on the whole batch; ``check_overlap`` watches the all-reduces of one
+backward. They report the same way and time out the same way::
+
+    check_ddp_parity(OverlappedDDP, world_sizes=(2,), cases=("mlp",))
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import tempfile
 import traceback
 import warnings
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
@@ -33,7 +43,8 @@ import torch.distributed as dist
 
 from dtcourse.launcher import LaunchError, RankError, launch
 
-__all__ = ["check_ring_exchange", "check_reduce_scatter", "check_all_gather", "check_all_reduce"]
+__all__ = ["check_ring_exchange", "check_reduce_scatter", "check_all_gather", "check_all_reduce",
+           "check_bucket_assignment", "check_ddp_parity", "check_overlap"]
 
 Size = int | tuple[int, ...]
 FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -304,3 +315,467 @@ def _student_error(exc: BaseException) -> str:
     stub = ("\n(the exercise stub is still there: replace the `raise NotImplementedError` line "
             "with your code)") if isinstance(exc, NotImplementedError) else ""
     return f"{type(exc).__name__}: {exc}{where}{stub}"
+
+
+# =========================================================================== #
+# Exercise 02: gradient buckets that overlap with backward
+# =========================================================================== #
+# A student's bucketed DDP wrapper is held to dtcourse.data_parallel: the same
+# buckets as its assign_buckets, the gradients and parameters of one process
+# training on the whole batch, and all-reduces that start while backward runs.
+
+DDP_BATCH = 12   # global batch: every world size checked (1, 2, 3, 4, 6) divides it
+DDP_LR = 0.1     # plain SGD by hand, so a wrong gradient moves the parameters visibly
+# float64 throughout. The mean over N ranks of means over B/N rows adds the same
+# terms as one mean over B rows, grouped differently, so the two differ by a few
+# ulps: measured with the solution over every case at N = 2, 3, 4 and 6, at most
+# 7e-17 in a gradient and 6e-17 in a parameter after 3 steps. 1e-10 is far above
+# that and far below any real mistake: a missing division by N is off by (N-1)
+# times the gradient itself.
+DDP_TOL = 1e-10
+_MLP_SIZES = (7, 13, 11, 5)   # numels 91, 13, 143, 11, 55, 5: none divisible by 2, 3 or 4
+_DDP_DEADLOCK_HINT = (
+    "This is most likely a deadlock: a rank waits for an all-reduce that another rank never "
+    "started. Every rank must start the same buckets' all-reduces in the same order, once per "
+    "backward, and wait on each handle once, after the last gradient. Raise timeout= only if "
+    "your code is merely slow.")
+
+_F32, _F64, _F16 = torch.float32, torch.float64, torch.float16
+_MLP_SHAPES = [(13, 7), (13,), (11, 13), (11,), (5, 11), (5,)]
+
+
+def _bucket_cases() -> dict[str, tuple[str, list[tuple[tuple[int, ...], torch.dtype]], tuple[int, ...]]]:
+    """name -> (what it is, each parameter's (shape, dtype) in registration order, caps in bytes)."""
+    from dtcourse.models import GPT
+    gpt = [(tuple(p.shape), _F32) for p in GPT(_gpt_config(), seed=0).parameters()]
+    tiny = [[(1,), (2,), (3, 1), (1, 1, 2)][i % 4] for i in range(40)]
+    return {
+        "mlp": ("the MLP (7, 13, 11, 5) in float32", [(s, _F32) for s in _MLP_SHAPES],
+                (1, 200, 240, 300, 10**9)),
+        "dtypes": ("six parameters in float32, float64 and float16",
+                   [((6,), _F32), ((4,), _F32), ((3,), _F64), ((2,), _F64), ((8,), _F16), ((5,), _F32)],
+                   (1, 30, 1000)),
+        "tiny": ("40 parameters of 1 to 3 elements in float32", [(s, _F32) for s in tiny], (1, 8, 13, 30)),
+        "gpt": ("a 1-layer GPT's 17 parameters in float32", gpt, (2048, 4096, 10**9)),
+        "empty": ("no parameters at all", [], (1, 1000)),
+    }
+
+
+def _gpt_config():
+    from dtcourse.models import GPTConfig
+    return GPTConfig(vocab_size=32, block_size=8, n_layer=1, n_head=2, d_model=16)
+
+
+def check_bucket_assignment(fn: Callable, cases: Sequence[str] = ("mlp",),
+                            timeout: float | None = None) -> None:
+    """``fn(params, cap_bytes)`` must return the buckets of ``dtcourse.data_parallel.assign_buckets``.
+
+    ``cases`` name parameter lists (see ``_bucket_cases``): ``"mlp"``, ``"dtypes"``, ``"tiny"``,
+    ``"gpt"``, ``"empty"``; each is tried at several caps. The first difference is reported
+    with the case, the cap, the bucket's position, its expected and actual indices, and a hint
+    when the buckets match a common wrong rule. ``fn`` runs in a child process, so a loop
+    that never ends fails after ``timeout`` seconds.
+    """
+    known = _bucket_cases()
+    _check_names("check_bucket_assignment", fn, cases, known)
+    _launch_check(getattr(fn, "__name__", "your function"), 1, _buckets_rank, (fn, tuple(cases)), timeout,
+                  where="", hint="Does a loop in it never end?")
+
+
+def _buckets_rank(fn: Callable, cases: tuple[str, ...], progress: str) -> list:
+    from dtcourse.data_parallel import assign_buckets as reference
+    known = _bucket_cases()
+    for name in cases:
+        description, specs, caps = known[name]
+        params = [torch.zeros(shape, dtype=dtype) for shape, dtype in specs]
+        for cap in caps:
+            Path(progress, "0").write_text(f"case {name!r} ({description}), cap_bytes={cap}")
+            got = _as_student(progress, lambda: fn(list(params), cap))
+            problem = _bucket_problem(got, reference(params, cap), params, cap)
+            if problem:
+                return [f"case {name!r} ({description}), cap_bytes={cap}", problem]
+    return []
+
+
+def _sizes(params: list[torch.Tensor]) -> str:
+    if not params:
+        return "no parameters"
+    shown = ", ".join(f"{i}: {p.numel() * p.element_size()} B"
+                      + ("" if p.dtype == _F32 else f" {str(p.dtype).removeprefix('torch.')}")
+                      for i, p in enumerate(params[:12]))
+    return "bytes per parameter " + shown + (f", ... ({len(params)} in all)" if len(params) > 12 else "")
+
+
+def _bucket_problem(got: object, want: list[list[int]], params: list[torch.Tensor], cap: int) -> str | None:
+    """None if ``got`` equals ``want``, else the first differing bucket and, if one fits, a hint."""
+    if not isinstance(got, (list, tuple)) or not all(
+            isinstance(b, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool) for i in b)
+            for b in got):
+        return (f"it must return a list of buckets, each a list of parameter indices (ints); it returned "
+                f"{str(got)[:80]!r}" + (" (did you forget the return?)" if got is None else ""))
+    got = [list(b) for b in got]
+    if got == want:
+        return None
+    k = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    if k < len(want) and k < len(got):
+        first = f"bucket {k} should be {want[k]} but yours is {got[k]}"
+    elif k < len(want):
+        first = f"your {len(got)} buckets stop early: bucket {k} should be {want[k]}"
+    else:
+        first = f"you made {len(got)} buckets, {len(want)} expected: bucket {k} {got[k]} is one too many"
+    message = f"{first}\n    {_sizes(params)}\n    expected {want}\n    yours    {got}"
+    flat = [i for b in got for i in b]
+    hints = [(_rule(params, cap, backwards=False), "walk the parameters from the last to the first "
+              "(reverse registration order), the order backward produces their gradients"),
+             (_rule(params, cap, at_cap=False), "close a bucket as soon as its bytes reach cap_bytes "
+              "(>=), not only when they exceed it"),
+             (_rule(params, cap, before=True), "add the parameter first, then close the bucket if it "
+              "has reached cap_bytes: a bucket may overshoot the cap by one parameter"),
+             (_rule(params, cap, split_dtype=False), "start a new bucket when the dtype (or device) "
+              "changes: a bucket is one flat tensor of one dtype"),
+             ([sorted(b) for b in want], "list each bucket's indices in the order you visited them "
+              "(descending)")]
+    if sorted(flat) != list(range(len(params))):
+        missing = sorted(set(range(len(params))) - set(flat))
+        repeated = sorted({i for i in flat if flat.count(i) > 1})
+        message += (f"\n    every index 0..{len(params) - 1} must be in exactly one bucket: "
+                    f"missing {missing}, repeated {repeated}")
+    else:
+        message += "".join(f"\n    hint: {text}" for buckets, text in hints if buckets == got)
+    return message
+
+
+def _rule(params: list[torch.Tensor], cap: int, backwards: bool = True, at_cap: bool = True,
+          before: bool = False, split_dtype: bool = True) -> list[list[int]]:
+    """The bucket rule with one part changed: used only to recognise common mistakes."""
+    buckets, current, size = [], [], 0
+    for i in (reversed(range(len(params))) if backwards else range(len(params))):
+        nbytes = params[i].numel() * params[i].element_size()
+        if current and ((split_dtype and params[i].dtype != params[current[0]].dtype)
+                        or (before and size + nbytes > cap)):
+            buckets.append(current)
+            current, size = [], 0
+        current.append(i)
+        size += nbytes
+        if not before and (size >= cap if at_cap else size > cap):
+            buckets.append(current)
+            current, size = [], 0
+    return buckets + [current] if current else buckets
+
+
+# --------------------------------------------------------------------------- #
+# Parity of a student's DDP wrapper with one process, and overlap
+# --------------------------------------------------------------------------- #
+@dataclass(frozen=True)
+class _DDPCase:
+    description: str
+    model: str                      # "mlp" or "gpt", always in float64
+    bucket_cap_mb: float
+    frozen: tuple[str, ...] = ()    # parameter names given requires_grad=False before wrapping
+
+
+DDP_CASES = {
+    "mlp": _DDPCase("MLP (7, 13, 11, 5), 400-byte buckets: 3 buckets", "mlp", 400 / 2**20),
+    "frozen": _DDPCase("the same MLP with net.2.bias frozen, 400-byte buckets", "mlp", 400 / 2**20,
+                       ("net.2.bias",)),
+    "tiny": _DDPCase("the same MLP, 1-byte buckets: one per parameter", "mlp", 1 / 2**20),
+    "one_bucket": _DDPCase("the same MLP, 25 MiB buckets: all in one", "mlp", 25.0),
+    "gpt": _DDPCase("a 1-layer GPT, 4 KiB buckets", "gpt", 4 / 1024),
+}
+
+
+def check_ddp_parity(cls: Callable, world_sizes: Sequence[int] = (2,), cases: Sequence[str] = ("mlp",),
+                     steps: int = 3, timeout: float | None = None) -> None:
+    """``cls(module, bucket_cap_mb=...)`` must train as one process does on the whole batch.
+
+    Every rank wraps the same float64 model, and for ``steps`` steps runs forward and
+    ``backward()`` on its slice of a batch of 12, then an SGD step. When ``backward()``
+    returns, each ``.grad`` must be the full-batch gradient at the current parameters
+    (frozen ones stay ``None``); after the last step the parameters must match a single
+    process's, both within ``DDP_TOL``. ``cases`` are keys of ``DDP_CASES``. A failure names
+    the world size, case, rank, step, parameter and largest error, with a hint when the
+    gradient is N times the mean or the rank's own.
+    """
+    _check_names("check_ddp_parity", cls, cases, DDP_CASES)
+    bad = [n for n in world_sizes if not isinstance(n, int) or n < 1 or DDP_BATCH % n]
+    if bad or steps < 1:
+        raise ValueError(f"check_ddp_parity: world sizes must divide the batch of {DDP_BATCH} "
+                         f"(got {list(world_sizes)}) and steps must be >= 1 (got {steps})")
+    name = getattr(cls, "__name__", "your class")
+    for world_size in world_sizes:
+        _launch_check(name, world_size, _parity_rank, (cls, tuple(cases), steps), timeout,
+                      where=f" at world size {world_size}", hint=_DDP_DEADLOCK_HINT)
+
+
+def check_overlap(cls: Callable, world_size: int = 2, case: str = "mlp",
+                  timeout: float | None = None) -> None:
+    """During one ``backward()`` through ``cls(module, bucket_cap_mb=...)``, communication must overlap.
+
+    The check records every ``dist.all_reduce`` call and every gradient as it is accumulated.
+    It wants one call per bucket (``len(wrapper.buckets)``, or the reference rule's count),
+    together covering every trainable element once, each with ``async_op=True``; the first
+    must start before the last gradient is ready, and no handle may be waited on before then.
+    """
+    _check_names("check_overlap", cls, (case,), DDP_CASES)
+    _launch_check(getattr(cls, "__name__", "your class"), world_size, _overlap_rank, (cls, case), timeout,
+                  where=f" at world size {world_size}", hint=_DDP_DEADLOCK_HINT)
+
+
+def _check_names(check: str, fn: Callable, names: Sequence[str], known: dict) -> None:
+    if not callable(fn):
+        raise TypeError(f"{check}: pass your function or class itself, not {type(fn).__name__}")
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise ValueError(f"{check}: cases must be among {sorted(known)}, got {list(names)}")
+
+
+def _launch_check(label: str, world_size: int, rank_fn: Callable, args: tuple, timeout: float | None,
+                  where: str, hint: str) -> None:
+    """Run ``rank_fn(*args, progress)`` on every rank; turn whatever went wrong into an AssertionError."""
+    if timeout is None:
+        timeout = float(os.environ.get("DTCOURSE_CHECK_TIMEOUT", "20"))
+    with tempfile.TemporaryDirectory(prefix="dtcourse-check-") as progress:
+        try:
+            results = launch(rank_fn, world_size, *args, progress, timeout=timeout)
+        except TimeoutError as err:
+            busy: dict[str, list[int]] = {}
+            for rank, note in _notes(progress, world_size).items():
+                if note != "finished":
+                    busy.setdefault(note or "before the first case", []).append(rank)
+            stuck = "; ".join(f"rank(s) {ranks} in {note}" for note, ranks in busy.items())
+            _, marker, stacks = str(err).partition("\nWhere the stuck ranks were")
+            stacks = "\n" + "\n".join((marker.strip() + stacks).splitlines()[:7]) if marker else ""
+            raise AssertionError(f"{label} did not finish{where} within {timeout:g} s: {stuck} were "
+                                 f"still running. {hint}{stacks}") from None
+        except RankError as err:
+            note = _notes(progress, world_size).get(err.rank, "")
+            text = _read(Path(progress, f"{err.rank}.error")) or _tail(err.remote_traceback)
+            who = f"rank {err.rank} raised" if world_size > 1 else "it raised"
+            raise AssertionError(f"{label} failed{where} in {note}: {who} {text}") from None
+        except LaunchError as err:
+            raise AssertionError(f"{label} crashed a rank{where}: {err}") from None
+    failures = [(rank, result) for rank, result in enumerate(results) if result]
+    if failures:
+        lines = [f"rank {rank}: {message}" for rank, (_, message) in failures[:4]]
+        if world_size == 1:
+            lines = [message for _, (_, message) in failures]
+        more = f"\n  ... and {len(failures) - 4} more ranks" if len(failures) > 4 else ""
+        raise AssertionError(f"{label} is wrong{where} in {failures[0][1][0]}:\n  "
+                             + "\n  ".join(lines) + more)
+
+
+def _as_student(progress: str, call: Callable) -> object:
+    """Run the student's code; if it raises, leave its error where the parent will find it."""
+    try:
+        return call()
+    except Exception as exc:
+        Path(progress, f"{dist.get_rank()}.error").write_text(_student_error(exc))
+        raise
+
+
+def _ddp_model(case: _DDPCase) -> torch.nn.Module:
+    from dtcourse.models import GPT, MLP
+    model = (MLP(_MLP_SIZES, seed=0) if case.model == "mlp" else GPT(_gpt_config(), seed=0)).double()
+    for name, p in model.named_parameters():
+        p.requires_grad_(name not in case.frozen)
+    return model
+
+
+def _ddp_batch(case: _DDPCase, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    from dtcourse.models import regression_batch, token_batch
+    if case.model == "mlp":
+        x, y = regression_batch(DDP_BATCH, _MLP_SIZES[0], _MLP_SIZES[-1], seed=seed)
+        return x.double(), y.double()
+    return token_batch(_gpt_config(), DDP_BATCH, seed=seed)
+
+
+def _ddp_loss(case: _DDPCase, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    from dtcourse.models import lm_loss
+    return torch.nn.functional.mse_loss(out, y) if case.model == "mlp" else lm_loss(out, y)
+
+
+def _full_gradients(scratch: torch.nn.Module, model: torch.nn.Module, case: _DDPCase, x: torch.Tensor,
+                    y: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One process's gradients on (x, y) at ``model``'s current parameters, computed on ``scratch``."""
+    scratch.load_state_dict(model.state_dict())
+    scratch.zero_grad(set_to_none=True)
+    _ddp_loss(case, scratch(x), y).backward()
+    return {name: p.grad.clone() for name, p in scratch.named_parameters() if p.requires_grad}
+
+
+def _parity_rank(cls: Callable, names: tuple[str, ...], steps: int, progress: str) -> list:
+    rank = dist.get_rank()
+    for name in names:
+        problem = _parity_case(cls, name, steps, progress)
+        # Every rank stops at the first case any rank got wrong, so none waits alone.
+        flag = torch.tensor([problem is not None], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item():
+            Path(progress, str(rank)).write_text("finished")
+            return [f"case {name!r} ({DDP_CASES[name].description})", problem] if problem else []
+    Path(progress, str(rank)).write_text("finished")
+    return []
+
+
+def _parity_case(cls: Callable, name: str, steps: int, progress: str) -> str | None:
+    rank, n = dist.get_rank(), dist.get_world_size()
+    case, note = DDP_CASES[name], Path(progress, str(dist.get_rank()))
+    model = _ddp_model(case)
+    reference, scratch = copy.deepcopy(model), copy.deepcopy(model)
+    note.write_text(f"case {name!r} ({case.description}), building the wrapper")
+    ddp = _as_student(progress, lambda: cls(model, bucket_cap_mb=case.bucket_cap_mb))
+    rows = DDP_BATCH // n
+    problem = None
+    for step in range(1, steps + 1):
+        x, y = _ddp_batch(case, seed=step)
+        mine = slice(rank * rows, (rank + 1) * rows)   # this rank's contiguous B/N rows
+        expected = _full_gradients(scratch, model, case, x, y)
+        own = _full_gradients(scratch, model, case, x[mine], y[mine])
+        model.zero_grad(set_to_none=True)
+        note.write_text(f"case {name!r} ({case.description}), step {step}: forward and backward")
+        _as_student(progress, lambda: _ddp_loss(case, ddp(x[mine]), y[mine]).backward())
+        problem = problem or _gradient_problem(model, expected, own, n, step)
+        reference.zero_grad(set_to_none=True)
+        _ddp_loss(case, reference(x), y).backward()     # one process, the whole batch
+        _sgd_step(model)
+        _sgd_step(reference)
+    if problem is None:
+        for (pname, p), q in zip(model.named_parameters(), reference.parameters()):
+            error = (p.detach() - q.detach()).abs().max().item()
+            if not error <= DDP_TOL:
+                return (f"after {steps} SGD steps, parameter {pname!r} differs from one process trained "
+                        f"on the whole batch by up to {error:.3g} (tolerance {DDP_TOL:g})")
+    return problem
+
+
+def _sgd_step(model: torch.nn.Module) -> None:
+    # By hand: torch.optim's first use imports torch._dynamo, seconds in every forked rank.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p -= DDP_LR * p.grad
+
+
+def _gradient_problem(model: torch.nn.Module, expected: dict[str, torch.Tensor], own: dict[str, torch.Tensor],
+                      n: int, step: int) -> str | None:
+    """None if every .grad is the full-batch gradient, else the first parameter that is not."""
+    for name, p in model.named_parameters():
+        if name not in expected:
+            if p.grad is not None:
+                return (f"step {step}: the frozen parameter {name!r} has a .grad; frozen parameters "
+                        "are in no bucket and must be left alone")
+            continue
+        if p.grad is None:
+            return f"step {step}: parameter {name!r} has no .grad when backward() returns"
+        want, got = expected[name], p.grad.detach()
+        error = (got - want).abs().max().item()
+        if error <= DDP_TOL:    # False for NaN too
+            continue
+        largest = want.abs().max().item()
+        message = (f"step {step}, parameter {name!r} {tuple(p.shape)}: .grad differs from the mean gradient "
+                   f"over all ranks by up to {error:.3g} (largest expected |value| {largest:.3g})")
+        close = dict(rtol=1e-6, atol=DDP_TOL)
+        if n > 1 and torch.allclose(got, n * want, **close):
+            message += (f". It is N = {n} times the mean: all_reduce adds the ranks' gradients, so "
+                        f"divide by the world size")
+        elif n > 1 and torch.allclose(got, own[name], **close):
+            message += (". It is still this rank's own gradient: the all-reduced bucket never reached "
+                        ".grad before backward() returned")
+        elif not got.any():
+            message += ". It is all zeros"
+        return message
+    return None
+
+
+class _WatchedWork:
+    """An all-reduce's handle that notes when ``wait()`` is called, and otherwise is the real one."""
+
+    def __init__(self, work: object, events: list, index: int):
+        self._work, self._events, self._index = work, events, index
+
+    def wait(self, *args, **kwargs):
+        self._events.append(("wait", self._index))
+        return self._work.wait(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self._work, name)
+
+
+@contextmanager
+def _recording_all_reduce(events: list) -> Iterator[None]:
+    """While the body runs, every ``dist.all_reduce`` call is noted in ``events``."""
+    original = dist.all_reduce
+
+    def all_reduce(tensor, *args, **kwargs):
+        async_op = kwargs.get("async_op", args[2] if len(args) > 2 else False)
+        index = sum(1 for e in events if e[0] == "all_reduce")
+        events.append(("all_reduce", tensor.numel(), bool(async_op)))
+        work = original(tensor, *args, **kwargs)
+        return None if work is None else _WatchedWork(work, events, index)
+
+    dist.all_reduce = all_reduce
+    try:
+        yield
+    finally:
+        dist.all_reduce = original
+
+
+def _overlap_rank(cls: Callable, name: str, progress: str) -> list:
+    from dtcourse.data_parallel import assign_buckets as reference
+    rank, n = dist.get_rank(), dist.get_world_size()
+    case, note = DDP_CASES[name], Path(progress, str(rank))
+    model = _ddp_model(case)
+    note.write_text(f"case {name!r} ({case.description}), building the wrapper")
+    ddp = _as_student(progress, lambda: cls(model, bucket_cap_mb=case.bucket_cap_mb))
+    events: list[tuple] = []
+    trainable = [(pname, p) for pname, p in model.named_parameters() if p.requires_grad]
+    for pname, p in trainable:   # registered after the wrapper's hooks, so they run after them
+        p.register_post_accumulate_grad_hook(lambda _, pname=pname: events.append(("grad", pname)))
+    x, y = _ddp_batch(case, seed=1)
+    rows = DDP_BATCH // n
+    note.write_text(f"case {name!r} ({case.description}), forward and backward")
+    with _recording_all_reduce(events):
+        _as_student(progress, lambda: _ddp_loss(case, ddp(x[rank * rows:(rank + 1) * rows]),
+                                                y[rank * rows:(rank + 1) * rows]).backward())
+    note.write_text("finished")
+    buckets = getattr(ddp, "buckets", None)
+    count = len(buckets) if isinstance(buckets, (list, tuple)) else \
+        len(reference([p for _, p in trainable], int(case.bucket_cap_mb * 2**20)))
+    problem = _overlap_problem(events, count, sum(p.numel() for _, p in trainable))
+    return [f"case {name!r} ({case.description})", problem] if problem else []
+
+
+def _overlap_problem(events: list[tuple], buckets: int, numel: int) -> str | None:
+    grads = [i for i, e in enumerate(events) if e[0] == "grad"]
+    reductions = [(i, e) for i, e in enumerate(events) if e[0] == "all_reduce"]
+    if not reductions:
+        return ("backward() made no dist.all_reduce call: start each bucket's all-reduce in the hook that "
+                "fills the bucket (call it as dist.all_reduce, which the check watches)")
+    ready = [sum(g < i for g in grads) for i, _ in reductions]   # gradients ready at each launch
+    timeline = (f"your all-reduces of {', '.join(str(e[1]) for _, e in reductions)} elements started after "
+                f"{', '.join(map(str, ready))} of the {len(grads)} gradients were ready")
+    if len(reductions) != buckets:
+        message = (f"expected one all-reduce per bucket, {buckets}, but backward() made {len(reductions)}: "
+                   f"{timeline}")
+        if len(reductions) == len(grads) != buckets:
+            message += (". That is one per parameter: copy each gradient into its bucket's flat buffer "
+                        "and all-reduce the buffer once it is full")
+        return message
+    carried = sum(e[1] for _, e in reductions)
+    if carried != numel:
+        return f"the all-reduces carry {carried} elements, not the {numel} trainable ones: {timeline}"
+    if ready[0] >= len(grads):
+        return (f"no communication overlapped with backward: {timeline}. Start a bucket's all-reduce in the "
+                "hook that completes the bucket, not after backward")
+    blocking = [k for k, (_, e) in enumerate(reductions) if not e[2]]
+    if blocking:
+        return (f"all-reduce(s) {blocking} ran with async_op=False, so backward stopped until each finished: "
+                "pass async_op=True, keep the handle, and wait on it in the finishing step")
+    early = [(e[1], sum(g < i for g in grads)) for i, e in enumerate(events)
+             if e[0] == "wait" and sum(g < i for g in grads) < len(grads)]
+    if early:
+        k, seen = early[0]
+        return (f"all-reduce {k}'s handle was waited on after only {seen} of the {len(grads)} gradients, "
+                "so backward stalled there: wait on the handles only in the finishing step, after the "
+                "last gradient")
+    return None
