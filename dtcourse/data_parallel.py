@@ -229,6 +229,8 @@ class DistributedDataParallel(nn.Module):
                         bucket.flat[lo:hi].copy_(p.grad.reshape(-1))
                 bucket.tensor = bucket.flat
             bucket.work = self._all_reduce_sum(bucket.tensor, async_op=self.strategy == "overlapped")
+        if bucket.work is None:   # synchronous: it has finished now; an async one ends at its wait
+            self._event("all_reduce", f"bucket {bucket.index}", bucket.launched_at, time.perf_counter())
 
     def _all_reduce_sum(self, tensor: torch.Tensor, async_op: bool) -> Any:
         """Sum ``tensor`` over the group in place; return a handle to wait on, or None if done."""
@@ -275,7 +277,7 @@ class DistributedDataParallel(nn.Module):
             start = time.perf_counter()
             bucket.work.wait()
             self._event("wait", f"bucket {bucket.index}", start, time.perf_counter())
-        self._event("all_reduce", f"bucket {bucket.index}", bucket.launched_at, time.perf_counter())
+            self._event("all_reduce", f"bucket {bucket.index}", bucket.launched_at, time.perf_counter())
         with torch.no_grad():
             bucket.tensor.div_(self.world_size)        # sum -> mean; the same bits on every rank
             for i, p, (lo, hi) in zip(bucket.param_ids, bucket.params, bucket.spans):
