@@ -34,6 +34,7 @@ exercises:
 bench: setup
 	OMP_NUM_THREADS=1 $(PY) -m dtcourse.bench.launch
 	OMP_NUM_THREADS=1 $(PY) -m dtcourse.bench.collectives
+	OMP_NUM_THREADS=1 $(PY) -m dtcourse.bench.ddp
 
 clean:
 	rm -rf $(VENV) .pytest_cache
