@@ -1,0 +1,19 @@
+"""Checks that exercise notebooks call; the autograder reports their AssertionErrors.
+
+One module per exercise topic, all re-exported here, so a notebook writes
+``from dtcourse.checks import check_all_reduce``:
+
+* ``dtcourse.checks.collectives``: exercise 01 (ring collectives from send/recv)
+* ``dtcourse.checks.data_parallel``: exercise 02 (bucketed, overlapped DDP)
+* ``dtcourse.checks.common``: running a check on ranks and reporting what went wrong
+
+``timeout=None`` means ``$DTCOURSE_CHECK_TIMEOUT`` seconds (20 if unset); the
+autograder sets it (``python -m dtcourse.grade --check-timeout``).
+"""
+
+from dtcourse.checks.collectives import (FLOATS, check_all_gather, check_all_reduce, check_reduce_scatter,
+                                         check_ring_exchange)
+from dtcourse.checks.data_parallel import check_bucket_assignment, check_ddp_parity, check_overlap
+
+__all__ = ["check_ring_exchange", "check_reduce_scatter", "check_all_gather", "check_all_reduce", "FLOATS",
+           "check_bucket_assignment", "check_ddp_parity", "check_overlap"]
