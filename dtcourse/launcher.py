@@ -131,8 +131,8 @@ def _set_parent_death_signal() -> None:
             pass
 
 
-def _send(fd: int, message: tuple) -> None:
-    payload = pickle.dumps(message)
+def _send(fd: int, payload: bytes) -> None:
+    """Write one length-prefixed pickled message to the parent."""
     os.write(fd, len(payload).to_bytes(8, "little"))
     view = memoryview(payload)
     while view:
@@ -173,21 +173,19 @@ def _child_main(fn, args, kwargs, rank, world_size, backend, store_path, timeout
                                 timeout=datetime.timedelta(seconds=timeout + 60))
         result = fn(*args, **kwargs)
     except BaseException:
-        message = ("error", traceback.format_exc())
+        payload = pickle.dumps(("error", traceback.format_exc()))
     else:
         try:
-            pickle.dumps(result)
-            message = ("ok", result)
+            payload = pickle.dumps(("ok", result))
         except Exception as exc:
-            message = ("unpicklable", f"{type(result).__name__}: {exc}")
+            payload = pickle.dumps(("unpicklable", f"{type(result).__name__}: {exc}"))
     try:
         sys.stdout.flush()
         sys.stderr.flush()
-        _send(res_w, message)
-        # Stay alive, connections open, until the parent ends the job. A rank
-        # that returned early therefore leaves a rank stuck in a collective
-        # stuck (and reported by the timeout), rather than crashing it with a
-        # confusing "connection closed by peer".
+        _send(res_w, payload)
+        # Stay alive, connections open, until the parent ends the job. Then a
+        # rank stuck in a collective that this rank skipped stays stuck, and the
+        # timeout reports it, instead of failing with "connection closed by peer".
         while True:
             signal.pause()
     finally:
