@@ -113,9 +113,19 @@ class CausalSelfAttention(nn.Module):
                              persistent=False)                  # (1, 1, block, block)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
+        qkv = self.c_attn(x)                                     # (B, T, 3C): q, k, v side by side
+        return self.resid_drop(self.c_proj(self.core(qkv)))     # (B, T, C)
+
+    def core(self, qkv: torch.Tensor) -> torch.Tensor:
+        """Everything between the two projections: scores, mask, softmax, dropout, and the mix of v.
+
+        Kept as its own method so selective recomputation (dtcourse.checkpointing)
+        can recompute exactly this part.
+        """
+        B, T, C3 = qkv.shape
+        C = C3 // 3
         hs = C // self.n_head
-        q, k, v = self.c_attn(x).split(C, dim=2)                 # 3 x (B, T, C)
+        q, k, v = qkv.split(C, dim=2)                            # 3 x (B, T, C)
         q = q.view(B, T, self.n_head, hs).transpose(1, 2)        # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, hs).transpose(1, 2)        # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, hs).transpose(1, 2)        # (B, nh, T, hs)
@@ -123,8 +133,7 @@ class CausalSelfAttention(nn.Module):
         att = att.masked_fill(self.future_mask[:, :, :T, :T], float("-inf"))
         att = self.attn_drop(F.softmax(att, dim=-1))             # (B, nh, T, T)
         y = att @ v                                              # (B, nh, T, hs)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)         # (B, T, C), heads side by side
-        return self.resid_drop(self.c_proj(y))
+        return y.transpose(1, 2).contiguous().view(B, T, C)      # (B, T, C), heads side by side
 
 
 class Block(nn.Module):

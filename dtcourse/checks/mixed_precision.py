@@ -1,0 +1,212 @@
+"""Checks for exercise 04: a student's dynamic loss scaler, decision by decision against GradScaler.
+
+``check_loss_scaler`` feeds a student's scaler and ``torch.amp.GradScaler("cpu")`` the same
+stream of gradients (two copies of one model, the same batches, the same infs and NaNs
+planted), and after every iteration compares what each decided: whether ``optimizer.step()``
+ran, the parameters, and the scale after ``update()``. The first difference is reported with
+its case and step, the expected and actual values, and a hint where one fits::
+
+    check_loss_scaler(DynamicLossScaler, cases=("growth", "nan"))
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from dtcourse.checks.common import _as_student, _check_names, _launch_check
+
+__all__ = ["check_loss_scaler", "SCALER_CASES"]
+
+INF, NAN = math.inf, math.nan
+
+
+@dataclass(frozen=True)
+class _ScalerCase:
+    description: str
+    kwargs: dict = field(default_factory=dict)     # for the scaler and for GradScaler alike
+    steps: int = 10
+    planted: dict = field(default_factory=dict)    # step -> value written into one gradient
+    loss_mult: float = 1.0                         # 0 makes every gradient 0 (and finite)
+    optimizers: int = 1                            # 2: two models, two optimizers, one scaler
+    unscale_first: bool = False                    # call unscale_ before step, as gradient clipping does
+
+
+SCALER_CASES = {
+    "growth": _ScalerCase("growth_interval=3, finite gradients: the scale doubles every 3 steps",
+                          dict(growth_interval=3), steps=10),
+    "nan": _ScalerCase("growth_interval=3, a NaN planted in the gradients at step 4",
+                       dict(growth_interval=3), steps=12, planted={4: NAN}),
+    "misuse": _ScalerCase("step() twice before update(), and update() with no step()"),
+    "inf": _ScalerCase("growth_interval=3, inf at step 2, -inf at steps 6 and 7 in a row, inf at step 11",
+                       dict(growth_interval=3), steps=16, planted={2: INF, 6: -INF, 7: INF, 11: INF}),
+    "defaults": _ScalerCase("GradScaler's defaults (2^16, x2, x0.5, 2000 steps), inf at step 3",
+                            {}, steps=6, planted={3: INF}),
+    "unscale_first": _ScalerCase("unscale_() called before step() every iteration, inf at step 3",
+                                 dict(growth_interval=2), steps=8, planted={3: INF}, unscale_first=True),
+    "two_optimizers": _ScalerCase("two optimizers, inf in the first one's gradients at step 2",
+                                  dict(growth_interval=2), steps=6, planted={2: INF}, optimizers=2),
+    "fp32_rounding": _ScalerCase("init_scale=1000, growth_factor=3.3, backoff_factor=0.3, growth_interval=2, "
+                                 "NaN at steps 5 and 6", dict(init_scale=1000.0, growth_factor=3.3,
+                                                              backoff_factor=0.3, growth_interval=2),
+                                 steps=10, planted={5: NAN, 6: NAN}),
+    "growth_overflow": _ScalerCase("init_scale=2^127, growth_interval=1, zero gradients: growing would give "
+                                   "inf in fp32", dict(init_scale=2.0 ** 127, growth_interval=1), steps=3,
+                                   loss_mult=0.0),
+}
+
+
+def check_loss_scaler(cls: Callable, cases: Sequence[str] = ("growth",), timeout: float | None = None) -> None:
+    """``cls(**kwargs)`` must make ``torch.amp.GradScaler``'s decisions on every case's gradient stream.
+
+    ``cases`` are keys of ``SCALER_CASES``. In each case a 4-8-3 MLP is trained with SGD, once
+    under ``cls`` and once under ``GradScaler("cpu")``, and after every iteration the check
+    compares whether ``optimizer.step()`` ran, the parameters (bit for bit: both divide by
+    the same fp32 scale) and ``get_scale()`` after ``update()``. Case ``"misuse"`` wants a
+    ``RuntimeError`` from ``step()`` called twice before ``update()``, and from ``update()``
+    with no ``step()`` since the last one. The code runs in a child process, so a loop that
+    never ends fails after ``timeout`` seconds.
+    """
+    _check_names("check_loss_scaler", cls, cases, SCALER_CASES)
+    _launch_check(getattr(cls, "__name__", "your scaler"), 1, _scaler_rank, (cls, tuple(cases)), timeout,
+                  where="", hint="Does a loop in step() or update() never end?")
+
+
+def _scaler_rank(cls: Callable, cases: tuple[str, ...], progress: str) -> list:
+    for name in cases:
+        case = SCALER_CASES[name]
+        label = f"case {name!r} ({case.description})"
+        problem = (_misuse_problem if name == "misuse" else _stream_problem)(cls, case, label, progress)
+        if problem:
+            return [label, problem]
+    Path(progress, "0").write_text("finished")
+    return []
+
+
+class _Side:
+    """One scaler with its own copies of the models and optimizers, counting optimizer.step() calls."""
+
+    def __init__(self, scaler, optimizers: int):
+        from dtcourse.models import MLP
+        self.scaler = scaler
+        self.models = [MLP((4, 8, 3), seed=i) for i in range(optimizers)]
+        self.optimizers = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in self.models]
+        self.calls = [0] * optimizers
+        for i, opt in enumerate(self.optimizers):
+            opt.register_step_post_hook(lambda *_, i=i: self.calls.__setitem__(i, self.calls[i] + 1))
+
+    def params(self) -> list[torch.Tensor]:
+        return [p.detach().clone() for m in self.models for p in m.parameters()]
+
+
+def _stream_problem(cls: Callable, case: _ScalerCase, label: str, progress: str) -> str | None:
+    from dtcourse.models import regression_batch
+    note = Path(progress, "0")
+    note.write_text(f"{label}, building your scaler")
+    ref = _Side(torch.amp.GradScaler("cpu", **case.kwargs), case.optimizers)
+    yours = _Side(_as_student(progress, lambda: cls(**case.kwargs)), case.optimizers)
+    expected_scales, your_scales = [], []
+    for step in range(case.steps):
+        x, y = regression_batch(8, 4, 3, seed=step)
+        before = list(ref.calls), list(yours.calls)
+        for side, student in ((ref, False), (yours, True)):
+            note.write_text(f"{label}, step {step}")
+            loss = sum(F.mse_loss(m(x), y) for m in side.models) * case.loss_mult
+            scaled = _as_student(progress, lambda: side.scaler.scale(loss)) if student else side.scaler.scale(loss)
+            scaled.backward()
+            if step in case.planted:
+                side.models[0].net[0].weight.grad[0, 0] = case.planted[step]
+            for opt in side.optimizers:
+                call = (lambda opt=opt: side.scaler.unscale_(opt)) if case.unscale_first else None
+                if call:
+                    _as_student(progress, call) if student else call()
+                _as_student(progress, lambda opt=opt: side.scaler.step(opt)) if student else side.scaler.step(opt)
+        for i in range(case.optimizers):
+            ran, got = ref.calls[i] - before[0][i], yours.calls[i] - before[1][i]
+            if ran != got:
+                which = f"optimizer {i}'s step()" if case.optimizers > 1 else "optimizer.step()"
+                why = (f"(a gradient was {_bad(case.planted[step])})" if step in case.planted
+                       else "(the gradients overflowed)") if not ran else "(every gradient was finite)"
+                yours_did = {0: "yours skipped it", 1: "yours called it"}.get(got, f"yours called it {got} times")
+                return (f"step {step}: GradScaler {'called' if ran else 'skipped'} {which} {why}, but "
+                        f"{yours_did}.")
+        diff = max((a - b).abs().max().item() for a, b in zip(ref.params(), yours.params()))
+        if not diff == 0:
+            return (f"step {step}: after step() your parameters differ from GradScaler's by up to {diff:.3g}. "
+                    "Each gradient must be unscaled exactly once (step() calls unscale_() only if it has not "
+                    "been called this iteration).")
+        previous = ref.scaler.get_scale()
+        ref.scaler.update()
+        _as_student(progress, lambda: yours.scaler.update())
+        want, got = ref.scaler.get_scale(), _as_student(progress, lambda: yours.scaler.get_scale())
+        expected_scales.append(want)
+        your_scales.append(got)
+        if got != want:
+            return _scale_message(step, case, previous, want, got, ref.scaler._get_growth_tracker(),
+                                  expected_scales, your_scales)
+        for opt in ref.optimizers + yours.optimizers:
+            opt.zero_grad(set_to_none=True)
+    return None
+
+
+def _bad(value: float) -> str:
+    return "NaN" if math.isnan(value) else "-inf" if value < 0 else "inf"
+
+
+def _scale_message(step: int, case: _ScalerCase, previous: float, want: float, got: object, tracker: int,
+                   expected: list[float], yours: list[object]) -> str:
+    interval = case.kwargs.get("growth_interval", 2000)
+    if want < previous:
+        reason = "backed off: this iteration's gradients held an inf or NaN"
+    elif want > previous:
+        reason = f"grown: {interval} clean steps in a row"
+    elif tracker == 0:
+        reason = (f"unchanged: the count of clean steps reached growth_interval ({interval}), but the grown "
+                  "scale would be inf in fp32, so it is not applied")
+    else:
+        reason = f"unchanged: {tracker} of {interval} clean steps in a row"
+    shown = slice(max(0, len(expected) - 6), len(expected))
+    message = (f"step {step}: after update() the scale should be {want!r} ({reason}), yours is {got!r}.\n"
+               f"    scales after each update, from step {shown.start}:\n"
+               f"      GradScaler {expected[shown]}\n"
+               f"      yours      {yours[shown]}")
+    if isinstance(got, float) and got != want and torch.tensor(got, dtype=torch.float32).item() == want:
+        message += ("\n    hint: yours differs only in rounding: GradScaler keeps its scale in fp32. Store a new "
+                    "scale with self._set_scale(...), and test a grown one with math.isfinite(fp32(...)).")
+    return message
+
+
+def _misuse_problem(cls: Callable, case: _ScalerCase, label: str, progress: str) -> str | None:
+    from dtcourse.models import regression_batch
+    note = Path(progress, "0")
+    note.write_text(f"{label}, building your scaler")
+    side = _Side(_as_student(progress, lambda: cls()), 1)
+    opt = side.optimizers[0]
+    note.write_text(f"{label}: update() before any step()")
+    problem = _expect_runtime_error(progress, lambda: side.scaler.update(),
+                                    "update() with no step() since the last update()")
+    if problem:
+        return problem
+    x, y = regression_batch(8, 4, 3)
+    _as_student(progress, lambda: side.scaler.scale(F.mse_loss(side.models[0](x), y))).backward()
+    note.write_text(f"{label}: the first step()")
+    _as_student(progress, lambda: side.scaler.step(opt))
+    note.write_text(f"{label}: a second step() before update()")
+    return _expect_runtime_error(progress, lambda: side.scaler.step(opt), "step() called twice before update()")
+
+
+def _expect_runtime_error(progress: str, call: Callable, what: str) -> str | None:
+    try:
+        call()
+    except NotImplementedError:                # a RuntimeError too, but it is the stub:
+        return _as_student(progress, call)     # report it as the student's error
+    except RuntimeError:
+        return None
+    except Exception as exc:                   # noqa: BLE001 - any other type is the student's mistake
+        return f"{what} should raise RuntimeError, but yours raised {type(exc).__name__}: {exc}"
+    return f"{what} should raise RuntimeError, but yours returned normally."

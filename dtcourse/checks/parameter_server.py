@@ -1,0 +1,230 @@
+"""Checks for exercise 03: a student's SSP server loop, run by dtcourse's workers.
+
+The student subclasses ``dtcourse.parameter_server.ServerBase`` and writes ``serve()``. Each check
+trains the regression problem in float64 with the student's class on the server ranks and
+``dtcourse.parameter_server.run_worker`` on the others, then holds the result to what the
+consistency model promises:
+
+* ``check_exactly_once``: every push recorded once, and the parameters equal w0 - lr/N * (the sum
+  of every gradient pushed), which holds for plain SGD in any order of arrival;
+* ``check_staleness_bound``: no worker was answered more than s iterations ahead of the slowest,
+  and each recorded staleness is ``staleness(version, read_version, clock)`` and at most s;
+* ``check_sync_parity``: with s = 0 the run equals one process on the averaged gradients;
+* ``check_hang``: a worker that hangs ends the run within the server's timeout, named.
+
+Every failure is one AssertionError that names the case, the worker, the iteration and the
+numbers::
+
+    check_staleness_bound(AsyncServer, bounds=(1,))
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from typing import Callable, Sequence
+
+import torch
+from torch.nn.utils import parameters_to_vector
+
+from dtcourse.parameter_server import (Fault, ParameterServerError, Problem, PSConfig, PSRun, reference_sgd,
+                                       staleness, train)
+
+__all__ = ["check_exactly_once", "check_staleness_bound", "check_sync_parity", "check_hang", "PS_TOL"]
+
+PROBLEM = Problem(dtype=torch.float64)
+# float64. Plain SGD is linear in the gradients, so the order in which pushes arrive changes only
+# rounding: measured with the solution, at most 2e-16 from w0 - lr/N * sum after 6 steps on 4
+# workers. 1e-12 is far above that and far below any real mistake (a push lost or applied twice
+# moves a parameter by lr/N times a gradient, about 1e-3 here).
+PS_TOL = 1e-12
+_STUB_HINT = " (the exercise stub is still there: replace the `raise NotImplementedError` line with your code)"
+
+
+def _timeout(timeout: float | None) -> float:
+    return float(os.environ.get("DTCOURSE_CHECK_TIMEOUT", "20")) if timeout is None else timeout
+
+
+def _describe(config: PSConfig) -> str:
+    slow = [f"worker {i} sleeps {d * 1e3:g} ms" for i, d in enumerate(config.delays) if d]
+    bound = "s=inf (async)" if config.staleness_bound == math.inf else f"s={config.staleness_bound:g}"
+    return (f"{bound}, {config.num_servers} server(s), {config.num_workers} workers, {config.steps} "
+            f"iterations" + (f", {', '.join(slow)} per iteration" if slow else ""))
+
+
+def _run(cls: Callable, config: PSConfig, timeout: float | None) -> PSRun:
+    """Train with ``cls`` on the servers; turn an error or a hang into an AssertionError."""
+    name, case = getattr(cls, "__name__", "your server"), _describe(config)
+    limit = _timeout(timeout)
+    try:
+        return train(config, PROBLEM, server_cls=cls, timeout=limit)
+    except ParameterServerError as err:
+        text = str(err)
+        remote = getattr(err.__cause__, "remote_traceback", "")
+        where = "\n".join("    " + line.strip() for line in remote.strip().splitlines()[-3:-1]) if remote else ""
+        stub = _STUB_HINT if "NotImplementedError" in text else ""
+        raise AssertionError(f"{name} failed ({case}): {text}{stub}" + (f"\n{where}" if where else "")) from None
+    except TimeoutError as err:
+        stacks = str(err).partition("\nWhere the stuck ranks were")[2]
+        raise AssertionError(
+            f"{name} did not finish within {limit:g} s ({case}). Does serve() stop once every worker's clock "
+            f"has reached config.steps, and does every waiting worker get its answer once it is at most s "
+            f"iterations ahead of the slowest?" + ("\n" + "\n".join(stacks.splitlines()[:5]) if stacks else "")
+        ) from None
+
+
+def _pushes_problem(run: PSRun) -> str | None:
+    """None if each server recorded each (worker, iteration) once, else the first that was not."""
+    n, steps = run.config.num_workers, run.config.steps
+    for server in run.servers:
+        seen: dict[tuple[int, int], int] = {}
+        for u in server.updates:
+            seen[u.worker, u.clock] = seen.get((u.worker, u.clock), 0) + 1
+        for w in range(n):
+            for c in range(steps):
+                if seen.get((w, c), 0) != 1:
+                    return (f"server {server.index} recorded worker {w}'s push of iteration {c} "
+                            f"{seen.get((w, c), 0)} times, not once ({len(server.updates)} records for "
+                            f"{n * steps} pushes): call self.record(request, staleness) once per push you apply")
+    return None
+
+
+def _params_problem(run: PSRun) -> str | None:
+    """None if the parameters are w0 - lr/N * (every gradient pushed), else by how much they are not."""
+    n = run.config.num_workers
+    start = parameters_to_vector(PROBLEM.model().parameters()).detach()
+    step = -run.config.lr / n * sum(t.pushed_sum for t in run.workers)            # (P,)
+    got = run.params - start
+    error = (got - step).abs().max().item()
+    if error <= PS_TOL:
+        return None
+    message = (f"the final parameters differ from w0 - lr/N * (the sum of every pushed gradient) by up to "
+               f"{error:.3g}")
+    if torch.allclose(got, n * step, rtol=1e-6, atol=PS_TOL):
+        message += f". They moved N = {n} times too far: apply each push as 1/N of a round, grad / num_workers"
+    elif not got.any():
+        message += ". They never moved: call self.apply(grad) for each push"
+    return message
+
+
+def check_exactly_once(cls: Callable, cases: Sequence[str] = ("async",), timeout: float | None = None) -> None:
+    """Every push applied and recorded exactly once. ``cases``: ``"async"`` (1 server, 3 workers,
+    one slow) and ``"sharded"`` (2 servers, 3 workers, s = 2)."""
+    configs = {"async": PSConfig(world_size=4, mode="async", steps=6, delays=(0, 0, 0.02)),
+               "sharded": PSConfig(world_size=5, num_servers=2, mode="ssp", bound=2, steps=6,
+                                   delays=(0.02, 0, 0))}
+    for case in cases:
+        run = _run(cls, configs[case], timeout)
+        problem = _pushes_problem(run) or _params_problem(run)
+        if problem:
+            raise AssertionError(f"{getattr(cls, '__name__', 'your server')} is wrong "
+                                 f"({_describe(configs[case])}): {problem}")
+
+
+def _bound_problem(run: PSRun) -> str | None:
+    """None if no answer ran ahead of the bound and every staleness was recorded right."""
+    s = run.config.staleness_bound
+    # From the workers' side: when worker w received the parameters of iteration c, worker u had
+    # sent some pushes, and the server cannot have applied more than those.
+    for t in run.workers:
+        reads = [end for kind, _, _, end in t.spans if kind == "wait"]
+        for c, received in enumerate(reads):
+            for other in run.workers:
+                sent = sum(1 for kind, _, _, end in other.spans if kind == "compute" and end < received)
+                if c - sent > s:
+                    return (f"worker {t.worker} received the parameters of iteration {c} when worker "
+                            f"{other.worker} had sent only {sent} pushes: {c} - {sent} = {c - sent} iterations "
+                            f"ahead of the slowest, more than s = {s:g}. Answer a waiting worker only when "
+                            f"its clock minus the smallest clock is <= s")
+    for server in run.servers:
+        version = 0
+        for k, u in enumerate(sorted(server.updates, key=lambda u: u.time)):
+            want = staleness(version, u.read_version, u.clock)
+            if u.staleness != want:
+                return (f"server {server.index}'s update {k} (worker {u.worker}, iteration {u.clock}): recorded "
+                        f"staleness {u.staleness}, but the version was {version} just before it and the push was "
+                        f"computed on version {u.read_version}, so staleness({version}, {u.read_version}, "
+                        f"{u.clock}) = {want}: pushes of the same or an older iteration do not count")
+            if u.staleness > s:
+                return (f"server {server.index}'s update {k} (worker {u.worker}, iteration {u.clock}) has "
+                        f"staleness {u.staleness}, above the bound s = {s:g}")
+            version = max(version, u.clock + 1)
+            if u.version != version:
+                return (f"server {server.index}'s update {k} (worker {u.worker}, iteration {u.clock}): "
+                        f"self.version was {u.version} when you recorded it, expected {version}, the largest "
+                        f"clock so far (record after updating self.version)")
+    return None
+
+
+def check_staleness_bound(cls: Callable, bounds: Sequence[int] = (1,), world_size: int = 4,
+                          timeout: float | None = None) -> None:
+    """For each bound s: the last worker is slow, and no worker may be answered more than s
+    iterations ahead of the slowest; each recorded staleness must follow its definition."""
+    for s in bounds:
+        config = PSConfig(world_size=world_size, mode="ssp", bound=s, steps=7,
+                          delays=(0.0,) * (world_size - 2) + (0.02,))
+        problem = _bound_problem(_run(cls, config, timeout))
+        if problem:
+            raise AssertionError(f"{getattr(cls, '__name__', 'your server')} is wrong ({_describe(config)}): "
+                                 f"{problem}")
+
+
+def check_sync_parity(cls: Callable, world_sizes: Sequence[tuple[int, int]] = ((3, 1),),
+                      timeout: float | None = None) -> None:
+    """With s = 0 the run must equal one process on the averaged gradients, within ``PS_TOL``.
+    ``world_sizes`` lists ``(world_size, num_servers)`` pairs."""
+    for world_size, servers in world_sizes:
+        config = PSConfig(world_size=world_size, num_servers=servers, mode="ssp", bound=0, steps=4, lr=0.2,
+                          delays=(0.01,) + (0.0,) * (world_size - servers - 1))
+        run = _run(cls, config, timeout)
+        problem = _bound_problem(run)
+        if problem is None:
+            single = reference_sgd(PSConfig(world_size=world_size, num_servers=servers, steps=4, lr=0.2), PROBLEM)
+            error = (run.params - single).abs().max().item()
+            if not error <= PS_TOL:
+                n = config.num_workers
+                start = parameters_to_vector(PROBLEM.model().parameters()).detach()
+                problem = (f"after {config.steps} iterations the parameters differ from one process on the "
+                           f"averaged gradients by up to {error:.3g} (tolerance {PS_TOL:g})")
+                if torch.allclose(run.params - start, n * (single - start), rtol=1e-6, atol=PS_TOL):
+                    problem += f". They moved N = {n} times too far: apply grad / num_workers"
+        if problem:
+            raise AssertionError(f"{getattr(cls, '__name__', 'your server')} is wrong ({_describe(config)}): "
+                                 f"{problem}")
+
+
+def check_hang(cls: Callable, cases: Sequence[str] = ("ssp",), timeout: float | None = None) -> None:
+    """A worker hangs; the server must raise within its timeout (1.5 s here), naming the worker.
+    ``cases``: ``"ssp"`` (s = 1, worker 1 hangs in iteration 2) and ``"async"`` (worker 0 hangs in
+    iteration 1 while the others go on)."""
+    configs = {"ssp": PSConfig(world_size=4, mode="ssp", bound=1, steps=5, timeout=1.5,
+                               fault=Fault(worker=1, step=2)),
+               "async": PSConfig(world_size=4, mode="async", steps=5, timeout=1.5, fault=Fault(worker=0, step=1))}
+    name = getattr(cls, "__name__", "your server")
+    for case in cases:
+        config = configs[case]
+        who, start = config.role(config.num_servers + config.fault.worker), time.monotonic()
+        try:
+            _run(cls, config, timeout=_timeout(timeout))
+        except AssertionError as err:
+            text = str(err)
+            if f"gave up: {who}" in text:
+                if time.monotonic() - start > config.timeout + 10:
+                    raise AssertionError(f"{name} named {who} only after {time.monotonic() - start:.1f} s") from None
+                continue
+            if "NotImplementedError" in text:
+                raise
+            waited = (f"the run was still going {_timeout(timeout):g} s later" if "did not finish" in text
+                      else "the other workers gave up waiting for your answers first" if "lost server" in text
+                      else None)
+            if waited is None:
+                raise AssertionError(f"{name} failed, but not by naming {who}, which hung in iteration "
+                                     f"{config.fault.step} ({_describe(config)}):\n{text}") from None
+            raise AssertionError(
+                f"{name} waited for ever ({_describe(config)}): {who} hung in iteration {config.fault.step}, "
+                f"and {waited}. Keep `owed`, every worker that owes you a message with the time you last "
+                f"answered it, and pass it to self.next_request(owed): it raises WorkerFailure naming the "
+                f"worker once it is {config.timeout:g} s late") from None
+        raise AssertionError(f"{name} finished although {who} hung in iteration {config.fault.step} "
+                             f"({_describe(config)})")

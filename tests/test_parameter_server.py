@@ -1,0 +1,231 @@
+"""The parameter server: parity of sync with one process, exactly-once async, the SSP bound, bytes, failures.
+
+Each ``train`` call is one launch (a few tenths of a second); the failure cases wait out a
+1.5 s server timeout. Run just these with ``pytest -q tests/test_parameter_server.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+import pytest
+import torch
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+from dtcourse.parameter_server import (Fault, ParameterServerError, Problem, PSConfig, reference_sgd, shard_ranges,
+                                       staleness, train)
+
+F64 = Problem(dtype=torch.float64)        # 676 parameters: not divisible by 3 servers
+P = 16 * 32 + 32 + 32 * 4 + 4
+
+
+def start_params(problem: Problem) -> torch.Tensor:
+    return parameters_to_vector(problem.model().parameters()).detach()
+
+
+def full_batch_sgd(problem: Problem, num_workers: int, steps: int, lr: float) -> torch.Tensor:
+    """One process, one backward per step on all N * rows rows: synchronous SGD as one large batch."""
+    model = problem.model()
+    big = dataclasses.replace(problem, rows=problem.rows * num_workers)
+    for c in range(steps):
+        model.zero_grad(set_to_none=True)
+        big.loss(model, *big.batch(c, 0, 1)).backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= lr * p.grad
+    return parameters_to_vector(model.parameters()).detach()
+
+
+# --------------------------------------------------------------------------- #
+# Configuration and helpers (no launch)
+# --------------------------------------------------------------------------- #
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(world_size=1), r"at least one server and one worker, so world_size must be an integer >= 2, got 1"),
+    (dict(world_size=3, num_servers=3), r"num_servers=3 leaves 0 workers in world_size=3; at least one worker "
+                                        r"is needed: use num_servers <= 2"),
+    (dict(world_size=3, num_servers=5), r"num_servers=5 leaves -2 workers"),
+    (dict(world_size=3, num_servers=0), r"num_servers must be an integer >= 1, got 0"),
+    (dict(world_size=3, mode="ssp", bound=-1), r"needs a staleness bound s >= 0 .*got bound=-1"),
+    (dict(world_size=3, mode="ssp"), r"needs a staleness bound s >= 0 .*got bound=None"),
+    (dict(world_size=3, mode="ssp", bound=1.5), r"counts iterations: an integer or math.inf, got 1.5"),
+    (dict(world_size=3, mode="sync", bound=2), r"bound is for mode='ssp' only"),
+    (dict(world_size=3, mode="hogwild"), r"mode must be one of \('sync', 'ssp', 'async'\)"),
+    (dict(world_size=3, delays=(0, 12.0)), r"worker 1's delay 12.0 s must be >= 0 and below timeout"),
+    (dict(world_size=3, delays=(0, 0, 0)), r"3 delays given for 2 workers"),
+    (dict(world_size=3, fault=Fault(worker=2, step=0)), r"fault .* worker in \[0, 2\)"),
+    (dict(world_size=3, steps=0), r"steps must be an integer >= 1"),
+    (dict(world_size=3, delay_period=0), r"delay_period must be an integer >= 1"),
+])
+def test_config_rejects_bad_input(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        PSConfig(**kwargs)
+
+
+def test_config_is_frozen_and_names_roles():
+    config = PSConfig(world_size=5, num_servers=2, mode="ssp", bound=math.inf)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.steps = 3
+    assert config.num_workers == 3 and config.staleness_bound == math.inf
+    assert [config.role(r) for r in (1, 2)] == ["server 1 (rank 1)", "worker 0 (rank 2)"]
+    assert PSConfig(world_size=2).staleness_bound == 0
+    assert PSConfig(world_size=2, mode="async").staleness_bound == math.inf
+
+
+@pytest.mark.parametrize("numel, k", [(676, 1), (676, 3), (10, 4), (3, 5)])
+def test_shard_ranges_cover_the_keys_in_balanced_ranges(numel, k):
+    ranges = shard_ranges(numel, k)
+    assert ranges[0][0] == 0 and ranges[-1][1] == numel and len(ranges) == k
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))            # contiguous, no gap or overlap
+    sizes = [hi - lo for lo, hi in ranges]
+    assert max(sizes) - min(sizes) <= 1                                       # balanced by size
+
+
+def test_staleness_counts_newer_iterations_only():
+    assert staleness(version=3, read_version=3, clock=3) == 0      # sync: version c, iteration c
+    assert staleness(version=4, read_version=3, clock=3) == 0      # another worker's push of the same iteration
+    assert staleness(version=15, read_version=10, clock=3) == 5    # a straggler: iterations 10..14 landed meanwhile
+    assert staleness(version=10, read_version=10, clock=3) == 0    # nothing newer landed
+
+
+# --------------------------------------------------------------------------- #
+# Synchronous mode: one process on the averaged gradients
+# --------------------------------------------------------------------------- #
+@pytest.mark.parametrize("world_size, num_servers", [(3, 1), (5, 1), (5, 2), (4, 3)])
+def test_sync_matches_single_process_sgd(world_size, num_servers):
+    config = PSConfig(world_size=world_size, num_servers=num_servers, steps=4, lr=0.2, momentum=0.5)
+    run = train(config)
+    # float32. The server averages the N gradients exactly as reference_sgd does (stack, mean
+    # over workers in worker order) and SGD with momentum is elementwise, so cutting the
+    # parameters into key ranges changes no rounding: the two agree to the bit. 1e-6 is the
+    # contract; the bitwise check says why it holds.
+    assert (run.params - reference_sgd(config)).abs().max() < 1e-6
+    assert torch.equal(run.params, reference_sgd(config))
+    assert {u.staleness for u in run.updates} == {0}
+    assert len(run.updates) == num_servers * config.num_workers * config.steps
+
+
+@pytest.mark.parametrize("world_size", [3, 5])
+def test_sync_is_one_large_batch(world_size):
+    config = PSConfig(world_size=world_size, steps=3, lr=0.2)
+    run = train(config, F64)
+    # float64: the mean over N workers of means over `rows` rows groups the same terms as one
+    # mean over N * rows rows; they differ by a few ulps (~1e-16) and 3 steps keep it far below 1e-12.
+    assert (run.params - full_batch_sgd(F64, config.num_workers, 3, 0.2)).abs().max() < 1e-12
+
+
+def test_sharded_and_unsharded_servers_agree_exactly():
+    one = train(PSConfig(world_size=4, num_servers=1, steps=3, momentum=0.9))
+    three = train(PSConfig(world_size=6, num_servers=3, steps=3, momentum=0.9))
+    assert three.params.numel() == P and [s.hi - s.lo for s in three.servers] == [226, 225, 225]
+    assert torch.equal(one.params, three.params)       # elementwise optimizer, same averages: bit-identical
+
+
+# --------------------------------------------------------------------------- #
+# Asynchronous and bounded staleness
+# --------------------------------------------------------------------------- #
+def _exactly_once(run, problem: Problem) -> None:
+    n, steps = run.config.num_workers, run.config.steps
+    for server in run.servers:
+        pairs = [(u.worker, u.clock) for u in server.updates]
+        assert sorted(pairs) == [(w, c) for w in range(n) for c in range(steps)]       # each push once
+    pushed = sum(t.pushed_sum for t in run.workers)                                      # (P,) float64
+    # Plain SGD is linear in the gradients: whatever the order, the parameters end at w0 - lr/N * sum.
+    # float64 rounding of N * steps additions stays below 1e-13.
+    expected = start_params(problem) - run.config.lr / n * pushed
+    assert (run.params - expected).abs().max() < 1e-12
+
+
+@pytest.mark.parametrize("world_size, num_servers", [(3, 1), (5, 2)])
+def test_async_terminates_and_applies_every_push_exactly_once(world_size, num_servers):
+    delays = (0.0,) * (world_size - num_servers - 1) + (0.02,)                    # the last worker straggles
+    config = PSConfig(world_size=world_size, num_servers=num_servers, mode="async", steps=6, delays=delays)
+    run = train(config, F64)
+    _exactly_once(run, F64)
+    assert all(len(t.losses) == 6 for t in run.workers)
+
+
+def _check_bound(run) -> None:
+    """Recorded staleness <= s and equal to its definition; every read respected the clock bound."""
+    s, n = run.config.staleness_bound, run.config.num_workers
+    for server in run.servers:
+        version = 0
+        for u in sorted(server.updates, key=lambda u: u.time):
+            assert u.staleness == staleness(version, u.read_version, u.clock) <= s
+            version = max(version, u.clock + 1)
+            assert u.version == version
+    # From the workers' side: when worker w received the parameters of iteration c, every worker's
+    # pushes of iterations < c - s had been applied (the server applies before it answers).
+    applied_at = {(u.worker, u.clock): u.time for u in run.updates}
+    for t in run.workers:
+        for c, (_, _, _, received) in enumerate(x for x in t.spans if x[0] == "wait"):
+            for u in range(n):
+                if c - s - 1 >= 0:
+                    assert applied_at[u, c - s - 1] < received, (t.worker, c, u)
+
+
+@pytest.mark.parametrize("bound", [0, 1, 2])
+def test_ssp_never_exceeds_its_bound(bound):
+    # World size 5: three fast workers and one that is slow every iteration, so a finite bound must bite.
+    config = PSConfig(world_size=5, mode="ssp", bound=bound, steps=8, delays=(0, 0, 0, 0.02))
+    run = train(config, F64)
+    _check_bound(run)
+    _exactly_once(run, F64)
+
+
+def test_ssp_with_zero_bound_is_synchronous():
+    config = PSConfig(world_size=4, mode="ssp", bound=0, steps=4, lr=0.2, delays=(0, 0.01, 0))
+    run = train(config, F64)
+    # Every worker computes iteration c on the same parameters; the server adds the N shares
+    # one at a time instead of averaging first: float64 rounding only.
+    assert (run.params - reference_sgd(dataclasses.replace(config, mode="sync", bound=None), F64)).abs().max() < 1e-12
+    assert {u.staleness for u in run.updates} == {0}
+
+
+# --------------------------------------------------------------------------- #
+# Bytes through each link
+# --------------------------------------------------------------------------- #
+@pytest.mark.parametrize("world_size, num_servers", [(4, 1), (5, 2)])
+def test_bytes_per_link(world_size, num_servers):
+    config = PSConfig(world_size=world_size, num_servers=num_servers, steps=3)
+    run = train(config)
+    n, k, s = config.num_workers, num_servers, 4 * P
+    links = run.link_bytes()
+    for j, (lo, hi) in enumerate(shard_ranges(P, k)):
+        for w in range(k, world_size):
+            assert links[w, j] == links[j, w] == 3 * 4 * (hi - lo)   # a push and a pull of range j per iteration
+    assert sum(links.values()) == 3 * 2 * n * s
+    rank, per_iteration = run.busiest_link()
+    assert rank < k and per_iteration == n * 4 * max(hi - lo for lo, hi in shard_ranges(P, k))   # ~N * S / k
+    headers = run.link_bytes(phases=("header",))
+    assert all(b % 8 == 0 for b in headers.values()) and sum(headers.values()) < 0.1 * sum(links.values())
+
+
+# --------------------------------------------------------------------------- #
+# Failures end the run, naming the worker
+# --------------------------------------------------------------------------- #
+@pytest.mark.parametrize("mode, kind, message", [
+    ("ssp", "hang", r"server 0 \(rank 0\) failed: WorkerFailure: server 0 \(rank 0\) gave up: worker 1 \(rank 2\) "
+                    r"owed it a push and sent nothing for 1.5 s \(timeout\); it has hung or died"),
+    ("async", "hang", r"gave up: worker 2 \(rank 3\) owed it a push and sent nothing for 1.5 s"),
+    ("sync", "crash", r"worker 1 \(rank 2\) exited with code 1 before sending a result"),
+    ("sync", "raise", r"worker 2 \(rank 3\) failed: RuntimeError: worker 2: failure injected at iteration 2"),
+])
+def test_a_failed_worker_is_named_within_the_timeout(mode, kind, message):
+    worker = 1 if kind in ("hang", "crash") and mode != "async" else 2
+    config = PSConfig(world_size=4, mode=mode, bound=1 if mode == "ssp" else None, steps=5, timeout=1.5,
+                      fault=Fault(worker=worker, step=2, kind=kind))
+    start = time.monotonic()
+    with pytest.raises(ParameterServerError, match=message):
+        train(config)
+    assert time.monotonic() - start < 1.5 + 5
+
+
+def test_final_parameters_train_the_model():
+    config = PSConfig(world_size=4, mode="async", steps=20, lr=0.5)
+    run = train(config)
+    model = Problem().model()
+    before = Problem().loss(model, *Problem().eval_batch()).item()
+    vector_to_parameters(run.params, model.parameters())
+    assert Problem().loss(model, *Problem().eval_batch()).item() < 0.5 * before
