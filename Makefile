@@ -35,6 +35,8 @@ bench: setup
 	OMP_NUM_THREADS=1 $(PY) -m dtcourse.bench.launch
 	OMP_NUM_THREADS=1 $(PY) -m dtcourse.bench.collectives
 	OMP_NUM_THREADS=1 $(PY) -m dtcourse.bench.ddp
+	OMP_NUM_THREADS=1 $(PY) -m dtcourse.bench.parameter_server
+	OMP_NUM_THREADS=1 $(PY) -m dtcourse.bench.checkpointing
 
 clean:
 	rm -rf $(VENV) .pytest_cache

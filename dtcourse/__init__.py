@@ -7,7 +7,11 @@ it:
 * ``dtcourse.collectives``: naive, tree and ring all-reduce from send/recv
 * ``dtcourse.memory``: the bytes of a training step, by kind
 * ``dtcourse.models``: the shared tiny GPT and MLP
-* ``dtcourse.data_parallel``: DDP in three steps
+* ``dtcourse.data_parallel``: DDP in three steps; ``dtcourse.sampling``: what DistributedSampler hands out
+* ``dtcourse.timeline``: measured compute and communication spans, drawn as a Gantt chart
+* ``dtcourse.parameter_server``: sync, async and bounded-staleness servers, sharded or not
+* ``dtcourse.mixed_precision``: fp32 master weights and loss scaling (``mixed_precision_figures``)
+* ``dtcourse.checkpointing``: activation checkpointing, full and selective
 * ``dtcourse.ring_widget``, ``dtcourse.collective_figures``: lesson 01's pictures
 * ``dtcourse.exercises``, ``dtcourse.grade``, ``dtcourse.checks``: exercises and autograder
 * ``dtcourse.bench.*``: benchmark scripts, e.g. ``python -m dtcourse.bench.collectives``
