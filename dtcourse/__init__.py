@@ -12,6 +12,8 @@ it:
 * ``dtcourse.parameter_server``: sync, async and bounded-staleness servers, sharded or not
 * ``dtcourse.mixed_precision``: fp32 master weights and loss scaling (``mixed_precision_figures``)
 * ``dtcourse.checkpointing``: activation checkpointing, full and selective
+  (``checkpointing_measurements`` and ``checkpointing_figures`` measure and draw it)
+* ``dtcourse.figure_widget``: the one way a figure is shown behind an ipywidgets control
 * ``dtcourse.ring_widget``, ``dtcourse.collective_figures``: lesson 01's pictures
 * ``dtcourse.exercises``, ``dtcourse.grade``, ``dtcourse.checks``: exercises and autograder
 * ``dtcourse.bench.*``: benchmark scripts, e.g. ``python -m dtcourse.bench.collectives``

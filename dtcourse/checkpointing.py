@@ -26,7 +26,8 @@ Example::
     from dtcourse.checkpointing import checkpoint_sequential
     y = checkpoint_sequential(model.net, segments=2, x=x)   # then y.sum().backward() as usual
 
-``dtcourse.bench.checkpointing`` measures what each choice holds and costs.
+``dtcourse.checkpointing_measurements`` measures what each choice holds and costs, and
+``python -m dtcourse.bench.checkpointing`` prints it.
 """
 
 from __future__ import annotations

@@ -13,7 +13,6 @@ a notebook shows each one once.
 
 from __future__ import annotations
 
-import io
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping
@@ -21,6 +20,7 @@ from typing import TYPE_CHECKING, Mapping
 import torch
 import torch.nn as nn
 
+from dtcourse.figure_widget import figure_widget, png
 from dtcourse.mixed_precision import CURVE_GPT, RECIPES, TrainingRun, train
 from dtcourse.models import GPT, GPTConfig, lm_loss, token_batch
 
@@ -186,9 +186,8 @@ class LossScaleView:
         self.ax.set_title(f"loss scale S = 2^{log2_scale} = {2.0 ** log2_scale:,.0f}", fontsize=10)
 
     def png(self) -> bytes:
-        buffer = io.BytesIO()
-        self.figure.savefig(buffer, format="png", dpi=90)
-        return buffer.getvalue()
+        """The figure as PNG bytes, as the widget shows it."""
+        return png(self.figure)
 
 
 def loss_scale_widget(grads: Mapping[str, torch.Tensor] | None = None, max_log2_scale: int = 40):
@@ -197,16 +196,7 @@ def loss_scale_widget(grads: Mapping[str, torch.Tensor] | None = None, max_log2_
 
     view = LossScaleView(gradient_sample() if grads is None else grads)
     slider = widgets.IntSlider(value=0, min=0, max=max_log2_scale, description="log2 S")
-    image = widgets.Image(value=view.png(), format="png", layout=widgets.Layout(max_width="760px"))
-
-    def on_change(change: dict) -> None:
-        view.show(change["new"])
-        image.value = view.png()
-
-    slider.observe(on_change, names="value")
-    box = widgets.VBox([slider, image])
-    box.view, box.slider, box.image = view, slider, image   # handles for tests and curious students
-    return box
+    return figure_widget({"slider": slider}, view.show, view.figure, max_width="760px", view=view)
 
 
 # --------------------------------------------------------------------------- #

@@ -14,7 +14,6 @@ on it::
 
 from __future__ import annotations
 
-import io
 import math
 from dataclasses import dataclass
 
@@ -22,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from dtcourse.collectives import ByteCounter, Message, chunk_sizes, ring_all_reduce
+from dtcourse.figure_widget import figure_widget, png
 from dtcourse.launcher import launch
 
 State = list[list[frozenset]]  # state[rank][chunk] -> ranks whose values are summed in
@@ -157,9 +157,8 @@ class RingView:
                           f"cell = ranks summed into that chunk; chunk sizes {sizes}", fontsize=9)
 
     def png(self) -> bytes:
-        buffer = io.BytesIO()
-        self.figure.savefig(buffer, format="png", dpi=90)
-        return buffer.getvalue()
+        """The figure as PNG bytes, as the widget shows it."""
+        return png(self.figure)
 
 
 def ring_widget(world_size: int = 4, numel: int = 8):
@@ -168,13 +167,4 @@ def ring_widget(world_size: int = 4, numel: int = 8):
 
     view = RingView(record_ring_all_reduce(world_size, numel))
     slider = widgets.IntSlider(value=0, min=0, max=view.steps, description="step")
-    image = widgets.Image(value=view.png(), format="png", layout=widgets.Layout(max_width="560px"))
-
-    def on_change(change):
-        view.show(change["new"])
-        image.value = view.png()
-
-    slider.observe(on_change, names="value")
-    box = widgets.VBox([slider, image])
-    box.view, box.slider, box.image = view, slider, image   # handles for tests and curious students
-    return box
+    return figure_widget({"slider": slider}, view.show, view.figure, max_width="560px", view=view)

@@ -27,7 +27,6 @@ first, as NTP or PTP do; the course's ranks never leave one machine.
 from __future__ import annotations
 
 import contextlib
-import io
 import time
 from dataclasses import dataclass, replace
 from types import MappingProxyType
@@ -37,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from dtcourse.data_parallel import STRATEGIES, DistributedDataParallel
+from dtcourse.figure_widget import figure_widget, png
 from dtcourse.launcher import launch
 from dtcourse.models import GPT, GPTConfig, lm_loss, token_batch
 
@@ -258,9 +258,8 @@ class TimelineView:
         self.figure.tight_layout()
 
     def png(self) -> bytes:
-        buffer = io.BytesIO()
-        self.figure.savefig(buffer, format="png", dpi=90)
-        return buffer.getvalue()
+        """The figure as PNG bytes, as the widget shows it."""
+        return png(self.figure)
 
 
 def timeline_figure(recording: Recording, title: str = "") -> Figure:
@@ -280,18 +279,13 @@ def timeline_widget(runs: Mapping[str, Recording], titles: Mapping[str, str] | N
     view = TimelineView(runs[names[0]], xlim_ms=longest, title=titles.get(names[0], names[0]))
     dropdown = widgets.Dropdown(options=names, value=names[0], description="run")
     shared = widgets.Checkbox(value=True, description="same time axis for every run")
-    image = widgets.Image(value=view.png(), format="png", layout=widgets.Layout(max_width="820px"))
 
-    def redraw(_change=None):
-        view.xlim_ms = longest if shared.value else None
-        view.show(runs[dropdown.value], titles.get(dropdown.value, dropdown.value))
-        image.value = view.png()
+    def redraw(name: str, same_axis: bool) -> None:
+        view.xlim_ms = longest if same_axis else None
+        view.show(runs[name], titles.get(name, name))
 
-    dropdown.observe(redraw, names="value")
-    shared.observe(redraw, names="value")
-    box = widgets.VBox([widgets.HBox([dropdown, shared]), image])
-    box.view, box.dropdown, box.shared, box.image, box.runs = view, dropdown, shared, image, runs   # for tests
-    return box
+    return figure_widget({"dropdown": dropdown, "shared": shared}, redraw, view.figure, max_width="820px",
+                         view=view, runs=runs)
 
 
 # --------------------------------------------------------------------------- #
