@@ -1,36 +1,28 @@
-"""Exercise 02 (gradient buckets): the notebook, its checks and the autograder.
+"""Exercise 02 (gradient buckets): the released notebook, its checks and the autograder.
 
-A complete answer earns every point; the untouched exercise earns none, with the
-stub named in every failed check; a wrong bucket rule and a missing division by N
-each fail only their own checks, with the bucket or the parameter, rank and factor
-named; a deadlock fails after the timeout. Each grading run starts one Jupyter
-kernel (a few seconds). Run just these with ``pytest -q tests/test_exercise02.py``.
+A wrong bucket rule and a missing division by N each fail only their own checks, with the
+bucket or the parameter, rank and factor named; a deadlock fails after the timeout. Full marks
+for the solution and zero for the untouched exercise are checked with every exercise's, in
+``test_grade.py``. Each grading run starts one Jupyter kernel (a few seconds). Run just these with
+``pytest -q tests/test_exercise02.py``, and everything about this exercise with
+``pytest -q tests -k "02_ddp_buckets or test_exercise02"``.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from dtcourse import checks, exercises
+from dtcourse import checks
 from dtcourse.data_parallel import assign_buckets
-from dtcourse.grade import grade_notebook
+from exercise_harness import EXPECTED, assert_released, by_id, failed, grade_answers, solution_code
 
-ROOT = Path(__file__).resolve().parents[1]
 NAME = "02_ddp_buckets"
-SOURCE = ROOT / "solutions" / f"{NAME}.ipynb"
-EXERCISE = ROOT / "exercises" / f"{NAME}.ipynb"
-POINTS = 12
-STUB = 'NotImplementedError: Exercise 02: ddp buckets'
+POINTS = EXPECTED[NAME].points
 
 # The bucket closes only once it holds *more* than the cap: wrong at a cap that is reached exactly.
 WRONG_ASSIGN_BUCKETS = '''
@@ -69,96 +61,23 @@ class OverlappedDDP(DDPBase):
 '''
 
 
-def solution_code() -> dict[str, str]:
-    """The source's solution cells with the markers taken out: a student who got it all right."""
-    answers = {}
-    for cell in json.loads(SOURCE.read_text())["cells"]:
-        meta = cell["metadata"].get("nbgrader", {})
-        if meta.get("solution"):
-            lines = "".join(cell["source"]).split("\n")
-            answers[meta["grade_id"]] = "\n".join(line for line in lines if "SOLUTION" not in line)
-    return answers
-
-
-def student_copy(directory: Path, answers: dict[str, str]) -> Path:
-    """The released exercise with some solution cells filled in, saved as a student would."""
-    nb = json.loads(EXERCISE.read_text())
-    for cell in nb["cells"]:
-        grade_id = cell["metadata"].get("nbgrader", {}).get("grade_id")
-        if grade_id in answers:
-            cell["source"] = answers[grade_id]
-    path = directory / f"{NAME}.ipynb"
-    path.write_text(json.dumps(nb, indent=1))
-    return path
-
-
-def by_id(report) -> dict:
-    return {check.grade_id: check for check in report.checks}
-
-
 # --------------------------------------------------------------------------- #
 # The released notebook
 # --------------------------------------------------------------------------- #
-def test_exercise_is_current_and_keeps_the_answers_out():
-    assert not exercises.stale(ROOT / "solutions", ROOT / "exercises"), "run `make exercises`"
-    nb = json.loads(EXERCISE.read_text())
-    code = "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code")
-    assert "BEGIN SOLUTION" not in code and "HIDDEN TESTS" not in code
-    assert "queue_callback(self.finish)" not in code and 'cases=("dtypes"' not in code
-    cells = {c["metadata"]["nbgrader"]["grade_id"]: "".join(c["source"])
-             for c in nb["cells"] if "nbgrader" in c["metadata"]}
-    assert cells["overlapped_ddp"].count('raise NotImplementedError("Exercise 02: ddp buckets")') == 2
-    assert "def grad_ready(self, i: int)" in cells["overlapped_ddp"]
-    assert "def finish(self)" in cells["overlapped_ddp"]
-    assert "register_post_accumulate_grad_hook" in cells["scaffold"]   # the scaffolding is given
-
-
-def test_generator_matches_nbgrader(tmp_path):
-    pytest.importorskip("nbgrader", reason="nbgrader is not installed: pip install -e '.[dev]'")
-    assignment = tmp_path / "source" / NAME
-    assignment.mkdir(parents=True)
-    (assignment / f"{NAME}.ipynb").write_bytes(SOURCE.read_bytes())
-    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
-    done = subprocess.run([sys.executable, "-m", "nbgrader", "generate_assignment", NAME, "--force",
-                           f"--ClearSolutions.code_stub={exercises.code_stub(NAME)}"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert EXERCISE.read_text(encoding="utf-8") == \
-        (tmp_path / "release" / NAME / f"{NAME}.ipynb").read_text(encoding="utf-8")
+def test_released_notebook_hides_the_answer_and_gives_the_scaffolding():
+    assert_released(NAME, absent=["queue_callback(self.finish)", 'cases=("dtypes"'], stubs={"overlapped_ddp": 2},
+                    given={"overlapped_ddp": ["def grad_ready(self, i: int)", "def finish(self)"],
+                           "scaffold": ["register_post_accumulate_grad_hook"]})
 
 
 # --------------------------------------------------------------------------- #
 # Grading whole notebooks
 # --------------------------------------------------------------------------- #
-def test_complete_answer_gets_full_marks(tmp_path):
-    start = time.monotonic()
-    report = grade_notebook(student_copy(tmp_path, solution_code()), source=SOURCE)
-    assert (report.score, report.max_score, report.exit_code) == (POINTS, POINTS, 0), str(report)
-    assert {"check_buckets_hidden", "check_parity_hidden"} <= set(by_id(report))
-    assert time.monotonic() - start < 60
-
-
-def test_untouched_exercise_scores_zero_with_a_clear_report(tmp_path):
-    copy = tmp_path / "my_copy.ipynb"
-    copy.write_bytes(EXERCISE.read_bytes())
-    done = subprocess.run([sys.executable, "-m", "dtcourse.grade", str(copy), "--source", str(SOURCE)],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert done.returncode == 1, done.stdout + done.stderr
-    assert f"Total: 0 / {POINTS:g}" in done.stdout
-    fails = [line for line in done.stdout.splitlines() if line.strip().startswith("FAIL")]
-    assert len(fails) == 5, done.stdout
-    assert done.stdout.count(STUB) == 5, done.stdout
-    assert "replace the `raise NotImplementedError` line" in done.stdout
-    assert "Traceback" not in done.stdout
-
-
 def test_wrong_bucket_rule_fails_only_the_bucket_checks(tmp_path):
-    path = student_copy(tmp_path, dict(solution_code(), assign_buckets=WRONG_ASSIGN_BUCKETS))
-    report = grade_notebook(path, source=SOURCE)
+    report = grade_answers(NAME, tmp_path, dict(solution_code(NAME), assign_buckets=WRONG_ASSIGN_BUCKETS))
     result = by_id(report)
     assert report.score == POINTS - 4, str(report)
-    failed = [grade_id for grade_id, check in result.items() if not check.passed]
-    assert failed == ["check_buckets", "check_buckets_hidden"], str(report)
+    assert failed(report) == ["check_buckets", "check_buckets_hidden"], str(report)
     message = result["check_buckets"].message
     assert "case 'mlp'" in message and "cap_bytes=240" in message, message
     assert "bucket 0 should be [5, 4] but yours is [5, 4, 3]" in message, message
@@ -166,12 +85,10 @@ def test_wrong_bucket_rule_fails_only_the_bucket_checks(tmp_path):
 
 
 def test_sum_instead_of_mean_names_parameter_rank_and_factor(tmp_path):
-    path = student_copy(tmp_path, dict(solution_code(), overlapped_ddp=SUM_NOT_MEAN))
-    report = grade_notebook(path, source=SOURCE)
+    report = grade_answers(NAME, tmp_path, dict(solution_code(NAME), overlapped_ddp=SUM_NOT_MEAN))
     result = by_id(report)
     assert report.score == POINTS - 6, str(report)
-    failed = [grade_id for grade_id, check in result.items() if not check.passed]
-    assert failed == ["check_parity", "check_parity_hidden"], str(report)
+    assert failed(report) == ["check_parity", "check_parity_hidden"], str(report)
     visible, hidden = result["check_parity"].message, result["check_parity_hidden"].message
     assert "OverlappedDDP is wrong at world size 2 in case 'mlp'" in visible, visible
     for rank in (0, 1):

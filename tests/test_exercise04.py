@@ -1,33 +1,24 @@
-"""Exercise 04 (a dynamic loss scaler): the notebook, its checks and the autograder.
+"""Exercise 04 (a dynamic loss scaler): the released notebook, its checks and the autograder.
 
-A complete answer earns every point; the untouched exercise earns none, with the stub named
-in every failed check; a scaler that forgets to restart its count of clean steps after an
-overflow fails the checks that contain an overflow, with the step and the expected and
-actual scales named. The checks are also driven directly with other wrong scalers (no
-kernel). Each grading run starts one Jupyter kernel (a few seconds). Run just these with
-``pytest -q tests/test_exercise04.py``.
+A scaler that forgets to restart its count of clean steps after an overflow fails the checks
+that contain an overflow, with the step and the expected and actual scales named. The checks are
+also driven directly with other wrong scalers (no kernel). Full marks for the solution and zero
+for the untouched exercise are checked with every exercise's, in ``test_grade.py``. Each grading
+run starts one Jupyter kernel (a few seconds). Run just these with
+``pytest -q tests/test_exercise04.py``, and everything about this exercise with
+``pytest -q tests -k "04_loss_scaler or test_exercise04"``.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
-from dtcourse import checks, exercises
-from dtcourse.grade import grade_notebook
+from dtcourse import checks
+from exercise_harness import assert_released, by_id, failed, grade_answers, nbgrader_cells, solution_code, source_path
 
-ROOT = Path(__file__).resolve().parents[1]
 NAME = "04_loss_scaler"
-SOURCE = ROOT / "solutions" / f"{NAME}.ipynb"
-EXERCISE = ROOT / "exercises" / f"{NAME}.ipynb"
-POINTS = 10
-STUB = "NotImplementedError: Exercise 04: loss scaler"
 
 # update() backs off on an overflow but leaves the count of clean steps where it was.
 NO_RESET = '''
@@ -56,37 +47,9 @@ class DynamicLossScaler(ScalerBase):
 '''
 
 
-def cells(path: Path) -> dict[str, str]:
-    """Source of every nbgrader cell of a notebook, by grade_id."""
-    return {c["metadata"]["nbgrader"]["grade_id"]: "".join(c["source"])
-            for c in json.loads(path.read_text())["cells"] if "nbgrader" in c["metadata"]}
-
-
-def solution_code() -> dict[str, str]:
-    """The source's solution cell with the markers taken out: a student who got it all right."""
-    lines = cells(SOURCE)["loss_scaler"].split("\n")
-    return {"loss_scaler": "\n".join(line for line in lines if "SOLUTION" not in line)}
-
-
-def student_copy(directory: Path, answers: dict[str, str]) -> Path:
-    """The released exercise with some solution cells filled in, saved as a student would."""
-    nb = json.loads(EXERCISE.read_text())
-    for cell in nb["cells"]:
-        grade_id = cell["metadata"].get("nbgrader", {}).get("grade_id")
-        if grade_id in answers:
-            cell["source"] = answers[grade_id]
-    path = directory / f"{NAME}.ipynb"
-    path.write_text(json.dumps(nb, indent=1))
-    return path
-
-
-def by_id(report) -> dict:
-    return {check.grade_id: check for check in report.checks}
-
-
 def scaler_class(body: str):
     """``DynamicLossScaler`` from the notebook's given cells plus ``body``, built without a kernel."""
-    given = cells(SOURCE)
+    given = nbgrader_cells(source_path(NAME))
     namespace: dict = {}
     for grade_id in ("setup", "scaffold"):
         exec(compile(given[grade_id], f"<{grade_id}>", "exec"), namespace)
@@ -97,62 +60,19 @@ def scaler_class(body: str):
 # --------------------------------------------------------------------------- #
 # The released notebook
 # --------------------------------------------------------------------------- #
-def test_exercise_is_current_and_keeps_the_answers_out():
-    assert not exercises.stale(ROOT / "solutions", ROOT / "exercises"), "run `make exercises`"
-    released = cells(EXERCISE)
-    code = "\n".join(released.values())
-    assert "BEGIN SOLUTION" not in code and "HIDDEN TESTS" not in code
-    assert "self._growth_tracker += 1" not in code and '"fp32_rounding"' not in code
-    assert released["loss_scaler"].count(f'raise NotImplementedError("Exercise 04: loss scaler")') == 2
-    assert "def step(self, optimizer" in released["loss_scaler"]
-    assert "def update(self)" in released["loss_scaler"]
-    assert "def unscale_(self, optimizer" in released["scaffold"]          # the scaffolding is given
-
-
-def test_generator_matches_nbgrader(tmp_path):
-    pytest.importorskip("nbgrader", reason="nbgrader is not installed: pip install -e '.[dev]'")
-    assignment = tmp_path / "source" / NAME
-    assignment.mkdir(parents=True)
-    (assignment / f"{NAME}.ipynb").write_bytes(SOURCE.read_bytes())
-    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
-    done = subprocess.run([sys.executable, "-m", "nbgrader", "generate_assignment", NAME, "--force",
-                           f"--ClearSolutions.code_stub={exercises.code_stub(NAME)}"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert EXERCISE.read_text(encoding="utf-8") == \
-        (tmp_path / "release" / NAME / f"{NAME}.ipynb").read_text(encoding="utf-8")
+def test_released_notebook_hides_the_answer_and_gives_the_scaffolding():
+    assert_released(NAME, absent=["self._growth_tracker += 1", '"fp32_rounding"'], stubs={"loss_scaler": 2},
+                    given={"loss_scaler": ["def step(self, optimizer", "def update(self)"],
+                           "scaffold": ["def unscale_(self, optimizer"]})
 
 
 # --------------------------------------------------------------------------- #
 # Grading whole notebooks
 # --------------------------------------------------------------------------- #
-def test_complete_answer_gets_full_marks(tmp_path):
-    start = time.monotonic()
-    report = grade_notebook(student_copy(tmp_path, solution_code()), source=SOURCE)
-    assert (report.score, report.max_score, report.exit_code) == (POINTS, POINTS, 0), str(report)
-    assert {"check_streams_hidden", "check_edges_hidden"} <= set(by_id(report))
-    assert time.monotonic() - start < 60
-
-
-def test_untouched_exercise_scores_zero_with_a_clear_report(tmp_path):
-    copy = tmp_path / "my_copy.ipynb"
-    copy.write_bytes(EXERCISE.read_bytes())
-    done = subprocess.run([sys.executable, "-m", "dtcourse.grade", str(copy), "--source", str(SOURCE)],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert done.returncode == 1, done.stdout + done.stderr
-    assert f"Total: 0 / {POINTS:g}" in done.stdout
-    fails = [line for line in done.stdout.splitlines() if line.strip().startswith("FAIL")]
-    assert len(fails) == 5, done.stdout
-    assert done.stdout.count(STUB) == 5, done.stdout
-    assert "replace the `raise NotImplementedError` line" in done.stdout
-    assert "Traceback" not in done.stdout
-
-
 def test_a_count_not_restarted_after_overflow_is_reported_precisely(tmp_path):
-    report = grade_notebook(student_copy(tmp_path, {"loss_scaler": NO_RESET}), source=SOURCE)
+    report = grade_answers(NAME, tmp_path, {"loss_scaler": NO_RESET})
     result = by_id(report)
-    failed = [grade_id for grade_id, check in result.items() if not check.passed]
-    assert failed == ["check_nan", "check_streams_hidden", "check_edges_hidden"], str(report)
+    assert failed(report) == ["check_nan", "check_streams_hidden", "check_edges_hidden"], str(report)
     assert report.score == 3, str(report)                       # growth (2) and misuse (1) still pass
     nan = result["check_nan"].message
     # NaN at step 4: GradScaler's count restarts at 0 and reaches 3 at step 7; this one kept its 1
@@ -171,18 +91,18 @@ def test_a_count_not_restarted_after_overflow_is_reported_precisely(tmp_path):
 # --------------------------------------------------------------------------- #
 def test_reference_passes_every_case():
     every_case = tuple(checks.mixed_precision.SCALER_CASES)
-    checks.check_loss_scaler(scaler_class(solution_code()["loss_scaler"]), cases=every_case)
+    checks.check_loss_scaler(scaler_class(solution_code(NAME)["loss_scaler"]), cases=every_case)
 
 
 def test_stepping_despite_an_overflow_is_named():
-    body = solution_code()["loss_scaler"].replace("return None  # skipped", "return optimizer.step()  # wrong")
+    body = solution_code(NAME)["loss_scaler"].replace("return None  # skipped", "return optimizer.step()  # wrong")
     with pytest.raises(AssertionError, match=r"(?s)case 'nan' .*step 4: GradScaler skipped optimizer\.step\(\) "
                                              r"\(a gradient was NaN\), but yours called it\."):
         checks.check_loss_scaler(scaler_class(body), cases=("growth", "nan"))
 
 
 def test_a_scale_kept_in_float64_gets_the_rounding_hint():
-    answer = solution_code()["loss_scaler"]
+    answer = solution_code(NAME)["loss_scaler"]
     backoff = scaler_class(answer.replace("self._set_scale(self._scale * self.backoff_factor)",
                                           "self._scale = self._scale * self.backoff_factor"))
     checks.check_loss_scaler(backoff, cases=("growth", "nan", "inf", "defaults"))     # powers of two: exact
@@ -200,7 +120,7 @@ def test_a_scale_kept_in_float64_gets_the_rounding_hint():
 
 
 def test_unscaling_twice_and_missing_refusals_are_named():
-    answer = solution_code()["loss_scaler"]
+    answer = solution_code(NAME)["loss_scaler"]
     twice = answer.replace("if key not in self._found_inf:\n            self.unscale_(optimizer)",
                            "self._found_inf.pop(key, None)\n        self.unscale_(optimizer)")   # unscale again
     complaint = (r"(?s)case 'unscale_first' .*step 0: after step\(\) your parameters differ from GradScaler's "
@@ -214,7 +134,7 @@ def test_unscaling_twice_and_missing_refusals_are_named():
 
 
 def test_an_endless_update_fails_after_the_timeout():
-    body = solution_code()["loss_scaler"].replace("self._found_inf, self._stepped = {}, set()",
+    body = solution_code(NAME)["loss_scaler"].replace("self._found_inf, self._stepped = {}, set()",
                                                   "while True:\n            pass")
     start = time.monotonic()
     complaint = r"DynamicLossScaler did not finish within 2 s: .*case 'growth'.*step 0"
@@ -225,4 +145,4 @@ def test_an_endless_update_fails_after_the_timeout():
 
 def test_unknown_cases_are_refused():
     with pytest.raises(ValueError, match="cases must be among"):
-        checks.check_loss_scaler(scaler_class(solution_code()["loss_scaler"]), cases=("nope",))
+        checks.check_loss_scaler(scaler_class(solution_code(NAME)["loss_scaler"]), cases=("nope",))

@@ -1,35 +1,26 @@
-"""Exercise 05 (a checkpointed sequential container): the notebook, its checks and the autograder.
+"""Exercise 05 (a checkpointed sequential container): the released notebook, its checks and the autograder.
 
-A complete answer earns every point; the untouched exercise earns none, with the stub named in
-every failed check; a checkpoint that forgets to replay the RNG fails only the hidden check with
-dropout, told why; one that keeps every tensor fails only the memory check, told how much it held.
-Each grading run starts one Jupyter kernel (a few seconds). Run just these with
-``pytest -q tests/test_exercise05.py``.
+A checkpoint that forgets to replay the RNG fails only the hidden check with dropout, told why;
+one that keeps every tensor fails only the memory check, told how much it held. Full marks for
+the solution and zero for the untouched exercise are checked with every exercise's, in
+``test_grade.py``. Each grading run starts one Jupyter kernel (a few seconds). Run just these with
+``pytest -q tests/test_exercise05.py``, and everything about this exercise with
+``pytest -q tests -k "05_checkpointed_sequential or test_exercise05"``.
 """
 
 from __future__ import annotations
-
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn as nn
 
-from dtcourse import checks, exercises
+from dtcourse import checks
 from dtcourse.checkpointing import CheckpointedSequential, segment_bounds
 from dtcourse.checks.checkpointing import GRADIENT_CASES
-from dtcourse.grade import grade_notebook
+from exercise_harness import EXPECTED, assert_released, by_id, failed, grade_answers, solution_code
 
-ROOT = Path(__file__).resolve().parents[1]
 NAME = "05_checkpointed_sequential"
-SOURCE = ROOT / "solutions" / f"{NAME}.ipynb"
-EXERCISE = ROOT / "exercises" / f"{NAME}.ipynb"
-POINTS = 12
-STUB = "NotImplementedError: Exercise 05: checkpointed sequential"
+POINTS = EXPECTED[NAME].points
 
 # Recomputes without restoring the RNG state: dropout draws new masks in backward.
 NO_RNG_REPLAY = '''
@@ -61,93 +52,23 @@ def checkpoint(fn, x):
 '''
 
 
-def solution_code() -> dict[str, str]:
-    """The source's solution cells with the markers taken out: a student who got it all right."""
-    answers = {}
-    for cell in json.loads(SOURCE.read_text())["cells"]:
-        meta = cell["metadata"].get("nbgrader", {})
-        if meta.get("solution"):
-            lines = "".join(cell["source"]).split("\n")
-            answers[meta["grade_id"]] = "\n".join(line for line in lines if "SOLUTION" not in line)
-    return answers
-
-
-def student_copy(directory: Path, answers: dict[str, str]) -> Path:
-    """The released exercise with some solution cells filled in, saved as a student would."""
-    nb = json.loads(EXERCISE.read_text())
-    for cell in nb["cells"]:
-        grade_id = cell["metadata"].get("nbgrader", {}).get("grade_id")
-        if grade_id in answers:
-            cell["source"] = answers[grade_id]
-    path = directory / f"{NAME}.ipynb"
-    path.write_text(json.dumps(nb, indent=1))
-    return path
-
-
-def by_id(report) -> dict:
-    return {check.grade_id: check for check in report.checks}
-
-
 # --------------------------------------------------------------------------- #
 # The released notebook
 # --------------------------------------------------------------------------- #
-def test_exercise_is_current_and_keeps_the_answers_out():
-    assert not exercises.stale(ROOT / "solutions", ROOT / "exercises"), "run `make exercises`"
-    nb = json.loads(EXERCISE.read_text())
-    code = "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code")
-    assert "BEGIN SOLUTION" not in code and "HIDDEN TESTS" not in code
-    assert "set_rng_state" not in code and 'cases=("dropout"' not in code
-    cells = {c["metadata"]["nbgrader"]["grade_id"]: "".join(c["source"])
-             for c in nb["cells"] if "nbgrader" in c["metadata"]}
-    stub = 'raise NotImplementedError("Exercise 05: checkpointed sequential")'
-    assert all(stub in cells[i] for i in ("segment_bounds", "checkpoint", "checkpointed_sequential"))
-    assert "def run_layers" in cells["checkpointed_sequential"]             # the given parts stay
-    assert "self.bounds = segment_bounds(len(self), segments)" in cells["checkpointed_sequential"]
-
-
-def test_generator_matches_nbgrader(tmp_path):
-    pytest.importorskip("nbgrader", reason="nbgrader is not installed: pip install -e '.[dev]'")
-    assignment = tmp_path / "source" / NAME
-    assignment.mkdir(parents=True)
-    (assignment / f"{NAME}.ipynb").write_bytes(SOURCE.read_bytes())
-    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
-    done = subprocess.run([sys.executable, "-m", "nbgrader", "generate_assignment", NAME, "--force",
-                           f"--ClearSolutions.code_stub={exercises.code_stub(NAME)}"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert EXERCISE.read_text(encoding="utf-8") == \
-        (tmp_path / "release" / NAME / f"{NAME}.ipynb").read_text(encoding="utf-8")
+def test_released_notebook_hides_the_answer_and_keeps_the_given_parts():
+    assert_released(NAME, absent=["set_rng_state", 'cases=("dropout"'],
+                    stubs={"segment_bounds": 1, "checkpoint": 1, "checkpointed_sequential": 1},
+                    given={"checkpointed_sequential": ["def run_layers",
+                                                       "self.bounds = segment_bounds(len(self), segments)"]})
 
 
 # --------------------------------------------------------------------------- #
 # Grading whole notebooks
 # --------------------------------------------------------------------------- #
-def test_complete_answer_gets_full_marks(tmp_path):
-    report = grade_notebook(student_copy(tmp_path, solution_code()), source=SOURCE)
-    assert (report.score, report.max_score, report.exit_code) == (POINTS, POINTS, 0), str(report)
-    assert {"check_segments_hidden", "check_gradients_hidden"} <= set(by_id(report))
-
-
-def test_untouched_exercise_scores_zero_with_a_clear_report(tmp_path):
-    copy = tmp_path / "my_copy.ipynb"
-    copy.write_bytes(EXERCISE.read_bytes())
-    done = subprocess.run([sys.executable, "-m", "dtcourse.grade", str(copy), "--source", str(SOURCE)],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert done.returncode == 1, done.stdout + done.stderr
-    assert f"Total: 0 / {POINTS:g}" in done.stdout
-    fails = [line for line in done.stdout.splitlines() if line.strip().startswith("FAIL")]
-    assert len(fails) == 5, done.stdout
-    assert done.stdout.count(STUB) == 5, done.stdout
-    assert "replace the `raise NotImplementedError` line" in done.stdout
-    assert "Traceback" not in done.stdout
-
-
 def test_forgetting_the_rng_replay_fails_only_the_dropout_check(tmp_path):
-    report = grade_notebook(student_copy(tmp_path, dict(solution_code(), checkpoint=NO_RNG_REPLAY)),
-                            source=SOURCE)
+    report = grade_answers(NAME, tmp_path, dict(solution_code(NAME), checkpoint=NO_RNG_REPLAY))
     result = by_id(report)
-    failed = [grade_id for grade_id, check in result.items() if not check.passed]
-    assert failed == ["check_gradients_hidden"] and report.score == POINTS - 4, str(report)
+    assert failed(report) == ["check_gradients_hidden"] and report.score == POINTS - 4, str(report)
     message = result["check_gradients_hidden"].message
     assert "CheckpointedSequential is wrong in case 'dropout'" in message and "segments=2" in message, message
     assert "the .grad of parameter '0.0.weight' (8, 8) differs from the plain run's (by up to" in message, \
@@ -156,11 +77,9 @@ def test_forgetting_the_rng_replay_fails_only_the_dropout_check(tmp_path):
 
 
 def test_keeping_every_tensor_fails_only_the_memory_check(tmp_path):
-    report = grade_notebook(student_copy(tmp_path, dict(solution_code(), checkpoint=KEEPS_EVERYTHING)),
-                            source=SOURCE)
+    report = grade_answers(NAME, tmp_path, dict(solution_code(NAME), checkpoint=KEEPS_EVERYTHING))
     result = by_id(report)
-    failed = [grade_id for grade_id, check in result.items() if not check.passed]
-    assert failed == ["check_memory"] and report.score == POINTS - 2, str(report)
+    assert failed(report) == ["check_memory"] and report.score == POINTS - 2, str(report)
     message = result["check_memory"].message
     assert "the stack held 49,152 bytes (12.0 activations of (16, 64))" in message, message
     assert "a checkpointed stack holds 24,576 (6:" in message, message

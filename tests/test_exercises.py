@@ -1,8 +1,10 @@
 """The exercise generator: exercises/ is current, and it writes what nbgrader writes.
 
-Run just these with ``pytest -q tests/test_exercises.py``. The nbgrader comparison
-runs real ``nbgrader generate_assignment`` (a few seconds) and is skipped only when
-nbgrader is not installed (``pip install -e '.[dev]'``).
+The checks every exercise must pass run once per notebook in ``solutions/`` (test ids are the
+notebook names); the markup tests use exercise 01 and a notebook of edge cases. Run just these
+with ``pytest -q tests/test_exercises.py``. The nbgrader comparison runs real
+``nbgrader generate_assignment`` (a few seconds per exercise) and is skipped only when nbgrader
+is not installed (``pip install -e '.[dev]'``).
 """
 
 from __future__ import annotations
@@ -17,10 +19,10 @@ import pytest
 
 from dtcourse import exercises
 from dtcourse.exercises import MarkupError, checksum, dumps, generate, loads
+from exercise_harness import EXPECTED, NAMES, ROOT, exercise_path, nbgrader_cells, source_path
 
-ROOT = Path(__file__).resolve().parents[1]
 NAME = "01_ring_collectives"
-SOURCE = ROOT / "solutions" / f"{NAME}.ipynb"
+SOURCE = source_path(NAME)
 
 
 def meta(grade_id: str, grade: bool = False, solution: bool = False, locked: bool = False,
@@ -81,6 +83,29 @@ def test_exercises_are_up_to_date():
     assert not problems, "\n".join(problems) + "\nRun `make exercises`."
 
 
+def test_every_exercise_has_expectations_that_agree_with_its_metadata():
+    assert sorted(EXPECTED) == NAMES, "add the new exercise to EXPECTED in tests/exercise_harness.py"
+    for name, expected in EXPECTED.items():
+        graded = [cell["metadata"]["nbgrader"] for cell in json.loads(source_path(name).read_text())["cells"]
+                  if cell["metadata"].get("nbgrader", {}).get("grade")]
+        assert sum(meta["points"] for meta in graded) == expected.points, name
+        assert len(graded) == expected.checks, name
+        assert expected.hidden <= {meta["grade_id"] for meta in graded}, name
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_released_exercise_is_current_and_keeps_the_answers_out(name):
+    problems = [problem for problem in exercises.stale(ROOT / "solutions", ROOT / "exercises") if name in problem]
+    assert not problems, "\n".join(problems) + "\nRun `make exercises`."
+    stub = f'raise NotImplementedError("{EXPECTED[name].title}")'
+    assert exercises.code_stub(name) == f"# YOUR CODE HERE\n{stub}"
+    text = exercise_path(name).read_text()
+    assert "BEGIN SOLUTION" not in text and "HIDDEN TESTS" not in text
+    released = nbgrader_cells(exercise_path(name))
+    for grade_id in nbgrader_cells(source_path(name), solution_only=True):
+        assert stub in released[grade_id], f"{grade_id} has no stub"
+
+
 def test_check_command_reports_missing_stale_and_orphans(tmp_path):
     solutions, student = tmp_path / "solutions", tmp_path / "exercises"
     solutions.mkdir()
@@ -107,14 +132,6 @@ def test_check_command_reports_missing_stale_and_orphans(tmp_path):
     assert "out of date" in stale.stderr and "99_old.ipynb has no source" in stale.stderr
 
 
-def test_stub_names_the_exercise():
-    assert exercises.code_stub(NAME) == ('# YOUR CODE HERE\n'
-                                         'raise NotImplementedError("Exercise 01: ring collectives")')
-    text = (ROOT / "exercises" / f"{NAME}.ipynb").read_text()
-    assert 'raise NotImplementedError(\\"Exercise 01: ring collectives\\")' in text
-    assert "BEGIN SOLUTION" not in text and "HIDDEN TESTS" not in text
-
-
 def test_read_write_round_trip_is_exact():
     assert dumps(loads(SOURCE.read_text())) == SOURCE.read_text()
 
@@ -122,16 +139,22 @@ def test_read_write_round_trip_is_exact():
 # --------------------------------------------------------------------------- #
 # (b) the same bytes as real nbgrader
 # --------------------------------------------------------------------------- #
-@pytest.mark.parametrize("form", ["command line", "config file"])
-def test_generator_matches_nbgrader(tmp_path, form):
+# One nbgrader run per exercise (a few seconds each). The stub goes in through the command line,
+# and for one exercise through a config file, the other way nbgrader takes it.
+NBGRADER_FORMS = {name: "config file" if name == "03_async_server" else "command line" for name in NAMES}
+
+
+@pytest.mark.parametrize("name, form", [pytest.param(name, form, id=f"{name}-{form}")
+                                        for name, form in NBGRADER_FORMS.items()])
+def test_generator_matches_nbgrader(tmp_path, name, form):
     pytest.importorskip("nbgrader", reason="nbgrader is not installed: pip install -e '.[dev]'")
     from nbgrader.api import Gradebook
 
-    assignment = tmp_path / "source" / NAME
+    assignment = tmp_path / "source" / name
     assignment.mkdir(parents=True)
-    (assignment / f"{NAME}.ipynb").write_bytes(SOURCE.read_bytes())
+    (assignment / f"{name}.ipynb").write_bytes(source_path(name).read_bytes())
     (assignment / "edge_cases.ipynb").write_text(dumps(edge_cases()), encoding="utf-8")
-    stub = exercises.code_stub(NAME)
+    stub = exercises.code_stub(name)
     if form == "command line":  # the option documented in dtcourse/exercises.py
         options = [f"--ClearSolutions.code_stub={stub}"]
     else:
@@ -139,21 +162,22 @@ def test_generator_matches_nbgrader(tmp_path, form):
         options = []
     # nbgrader runs `alembic` from PATH to set up its gradebook.
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
-    done = subprocess.run([sys.executable, "-m", "nbgrader", "generate_assignment", NAME, "--force", *options],
+    done = subprocess.run([sys.executable, "-m", "nbgrader", "generate_assignment", name, "--force", *options],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
 
-    for notebook_name in (NAME, "edge_cases"):
+    release = tmp_path / "release" / name
+    for notebook_name in (name, "edge_cases"):
         source = loads((assignment / f"{notebook_name}.ipynb").read_text(encoding="utf-8"))
-        released = (tmp_path / "release" / NAME / f"{notebook_name}.ipynb").read_text(encoding="utf-8")
-        assert dumps(generate(source, NAME)) == released, f"{notebook_name} differs from nbgrader's"
-    ours = (ROOT / "exercises" / f"{NAME}.ipynb").read_text(encoding="utf-8")
-    assert ours == (tmp_path / "release" / NAME / f"{NAME}.ipynb").read_text(encoding="utf-8")
+        released = (release / f"{notebook_name}.ipynb").read_text(encoding="utf-8")
+        assert dumps(generate(source, name)) == released, f"{notebook_name} differs from nbgrader's"
+    ours = exercise_path(name).read_text(encoding="utf-8")
+    assert ours == (release / f"{name}.ipynb").read_text(encoding="utf-8")
 
     # What nbgrader keeps in its gradebook is what dtcourse.grade restores test cells from.
-    stored = generate(loads(SOURCE.read_text(encoding="utf-8")), NAME, keep_hidden_tests=True)
+    stored = generate(loads(source_path(name).read_text(encoding="utf-8")), name, keep_hidden_tests=True)
     with Gradebook(f"sqlite:///{tmp_path / 'gradebook.db'}") as gradebook:
-        kept = {c.name: c for c in gradebook.find_notebook(NAME, NAME).source_cells}
+        kept = {c.name: c for c in gradebook.find_notebook(name, name).source_cells}
     for cell in stored["cells"]:
         grade_id = cell["metadata"].get("nbgrader", {}).get("grade_id")
         if grade_id:

@@ -1,7 +1,9 @@
 """The autograder and the checks it runs: full marks, zero marks, deadlocks, wrong answers.
 
-Each grading run starts a Jupyter kernel (a few seconds). Run just these with
-``pytest -q tests/test_grade.py``.
+Full and zero marks are checked for every exercise (test ids are the notebook names); the
+deadlocks and wrong answers here are exercise 01's, the other exercises' are in
+``test_exercise<NN>.py``. Each grading run starts a Jupyter kernel (a few seconds). Run just
+these with ``pytest -q tests/test_grade.py``.
 """
 
 from __future__ import annotations
@@ -21,12 +23,12 @@ import torch.distributed as dist
 
 from dtcourse import checks
 from dtcourse.grade import grade_notebook
+from exercise_harness import (EXPECTED, NAMES, by_id, exercise_path, grade_answers, solution_code, source_path,
+                              student_copy)
 
-ROOT = Path(__file__).resolve().parents[1]
 NAME = "01_ring_collectives"
-SOURCE = ROOT / "solutions" / f"{NAME}.ipynb"
-EXERCISE = ROOT / "exercises" / f"{NAME}.ipynb"
-POINTS = 14
+SOURCE = source_path(NAME)
+EXERCISE = exercise_path(NAME)
 
 DEADLOCKED_REDUCE_SCATTER = '''
 def ring_reduce_scatter(output, input_tensor):
@@ -45,30 +47,6 @@ def ring_all_gather(output, input_tensor):
 '''
 
 
-def solution_code() -> dict[str, str]:
-    """The source's solution cells with the markers taken out: a student who got it all right."""
-    nb = json.loads(SOURCE.read_text())
-    answers = {}
-    for cell in nb["cells"]:
-        meta = cell["metadata"].get("nbgrader", {})
-        if meta.get("solution"):
-            lines = "".join(cell["source"]).split("\n")
-            answers[meta["grade_id"]] = "\n".join(line for line in lines if "SOLUTION" not in line)
-    return answers
-
-
-def student_copy(directory: Path, answers: dict[str, str]) -> Path:
-    """The released exercise with some solution cells filled in, saved as a student would."""
-    nb = json.loads(EXERCISE.read_text())
-    for cell in nb["cells"]:
-        grade_id = cell["metadata"].get("nbgrader", {}).get("grade_id")
-        if grade_id in answers:
-            cell["source"] = answers[grade_id]
-    path = directory / f"{NAME}.ipynb"
-    path.write_text(json.dumps(nb, indent=1))
-    return path
-
-
 def processes_with(marker: str) -> list[int]:
     """Processes (kernels, forked ranks, orphans too) whose environment holds ``marker``."""
     found = []
@@ -82,34 +60,37 @@ def processes_with(marker: str) -> list[int]:
     return found
 
 
-def by_id(report) -> dict:
-    return {check.grade_id: check for check in report.checks}
-
-
 # --------------------------------------------------------------------------- #
 # (d) a complete answer earns every point, hidden tests included
 # --------------------------------------------------------------------------- #
-def test_complete_answer_gets_full_marks(tmp_path):
-    report = grade_notebook(student_copy(tmp_path, solution_code()), source=SOURCE)
-    assert (report.score, report.max_score, report.exit_code) == (POINTS, POINTS, 0), str(report)
-    assert "check_all_reduce_hidden" in by_id(report) and all(c.passed for c in report.checks)
-    assert f"Total: {POINTS:g} / {POINTS:g}" in str(report)
+@pytest.mark.parametrize("name", NAMES)
+def test_complete_answer_gets_full_marks(tmp_path, name):
+    points, hidden = EXPECTED[name].points, EXPECTED[name].hidden
+    start = time.monotonic()
+    report = grade_answers(name, tmp_path, solution_code(name))
+    assert (report.score, report.max_score, report.exit_code) == (points, points, 0), str(report)
+    assert hidden <= set(by_id(report)) and all(c.passed for c in report.checks), str(report)
+    assert f"Total: {points:g} / {points:g}" in str(report)
+    assert time.monotonic() - start < 60
 
 
 # --------------------------------------------------------------------------- #
 # (e) the untouched exercise: zero, with the reason, through the command line
 # --------------------------------------------------------------------------- #
-def test_untouched_exercise_scores_zero_with_a_clear_report(tmp_path):
-    copy = tmp_path / "somewhere" / "my_copy.ipynb"
+@pytest.mark.parametrize("name", NAMES)
+def test_untouched_exercise_scores_zero_with_a_clear_report(tmp_path, name):
+    expected = EXPECTED[name]
+    copy = tmp_path / "somewhere" / "my_copy.ipynb"  # renamed and moved: found through --source
     copy.parent.mkdir()
-    copy.write_bytes(EXERCISE.read_bytes())
-    done = subprocess.run([sys.executable, "-m", "dtcourse.grade", str(copy), "--source", str(SOURCE)],
+    copy.write_bytes(exercise_path(name).read_bytes())
+    done = subprocess.run([sys.executable, "-m", "dtcourse.grade", str(copy), "--source", str(source_path(name))],
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 1, done.stdout + done.stderr
-    assert f"Total: 0 / {POINTS:g}" in done.stdout
+    assert f"Total: 0 / {expected.points:g}" in done.stdout
     fails = [line for line in done.stdout.splitlines() if line.strip().startswith("FAIL")]
-    assert len(fails) == 7, done.stdout
-    assert done.stdout.count('NotImplementedError: Exercise 01: ring collectives') == 7
+    assert len(fails) == expected.checks, done.stdout
+    assert done.stdout.count(f"NotImplementedError: {expected.title}") == expected.checks, done.stdout
+    assert "replace the `raise NotImplementedError` line" in done.stdout
     assert "Traceback" not in done.stdout
 
 
@@ -131,9 +112,9 @@ def test_ungradable_inputs_exit_2(tmp_path):
 def broken_report(tmp_path_factory):
     marker = f"DTCOURSE_TEST_MARKER={uuid.uuid4().hex}"
     key, value = marker.split("=")
-    answers = dict(solution_code(), ring_reduce_scatter=DEADLOCKED_REDUCE_SCATTER,
+    answers = dict(solution_code(NAME), ring_reduce_scatter=DEADLOCKED_REDUCE_SCATTER,
                    ring_all_gather=WRONG_ALL_GATHER)
-    path = student_copy(tmp_path_factory.mktemp("broken"), answers)
+    path = student_copy(NAME, tmp_path_factory.mktemp("broken"), answers)
     os.environ[key] = value  # inherited by the kernel and every rank it forks
     try:
         start = time.monotonic()

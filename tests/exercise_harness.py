@@ -1,0 +1,120 @@
+"""What the exercise tests share: the exercises, what each should score, and a student's copy.
+
+Every exercise is a notebook in ``solutions/`` (answers and hidden tests marked for nbgrader)
+and its released copy in ``exercises/``. The tests that every exercise must pass (released copy
+current and identical to nbgrader's, full marks for the solution, zero for the untouched copy)
+are written once, parametrized over ``NAMES``, in ``test_exercises.py`` and ``test_grade.py``.
+Each exercise's own wrong answers are in ``test_exercise<NN>.py`` (exercise 01's in
+``test_grade.py``). Run everything about one exercise with, for example::
+
+    pytest -q tests -k "02_ddp_buckets or test_exercise02"
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from dtcourse.grade import Report, grade_notebook
+
+ROOT = Path(__file__).resolve().parents[1]
+NAMES = sorted(path.stem for path in (ROOT / "solutions").glob("*.ipynb"))
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What grading one exercise should give, written out here rather than read from the notebook."""
+
+    title: str                # the stub raises NotImplementedError(title)
+    points: float             # the full score
+    checks: int               # graded test cells: each fails, naming the stub, when nothing is filled in
+    hidden: frozenset[str]    # grade_ids of hidden tests, which the grader must restore and run
+
+
+EXPECTED = {
+    "01_ring_collectives": Expected(
+        "Exercise 01: ring collectives", 14, 7,
+        frozenset({"check_reduce_scatter_hidden", "check_all_gather_hidden", "check_all_reduce_hidden"})),
+    "02_ddp_buckets": Expected(
+        "Exercise 02: ddp buckets", 12, 5, frozenset({"check_buckets_hidden", "check_parity_hidden"})),
+    "03_async_server": Expected(
+        "Exercise 03: async server", 12, 8,
+        frozenset({"check_once_hidden", "check_bound_hidden", "check_parity_hidden", "check_hang_hidden"})),
+    "04_loss_scaler": Expected(
+        "Exercise 04: loss scaler", 10, 5, frozenset({"check_streams_hidden", "check_edges_hidden"})),
+    "05_checkpointed_sequential": Expected(
+        "Exercise 05: checkpointed sequential", 12, 5,
+        frozenset({"check_segments_hidden", "check_gradients_hidden"})),
+}
+
+
+def source_path(name: str) -> Path:
+    """The source notebook of exercise ``name``, with answers and hidden tests."""
+    return ROOT / "solutions" / f"{name}.ipynb"
+
+
+def exercise_path(name: str) -> Path:
+    """The released notebook of exercise ``name``, as students get it."""
+    return ROOT / "exercises" / f"{name}.ipynb"
+
+
+def nbgrader_cells(path: Path, solution_only: bool = False) -> dict[str, str]:
+    """Source of every nbgrader cell of the notebook at ``path`` (or only its solution cells), by grade_id."""
+    return {cell["metadata"]["nbgrader"]["grade_id"]: "".join(cell["source"])
+            for cell in json.loads(path.read_text())["cells"]
+            if "nbgrader" in cell["metadata"]
+            and (cell["metadata"]["nbgrader"].get("solution") or not solution_only)}
+
+
+def assert_released(name: str, absent: list[str], stubs: dict[str, int], given: dict[str, list[str]]) -> None:
+    """The released notebook of ``name`` keeps the answer out and the given code in.
+
+    No code cell contains any of ``absent`` (lines of the answer or of hidden tests), solution
+    cell ``grade_id`` holds exactly ``stubs[grade_id]`` stubs, and cell ``grade_id`` still holds
+    every line of ``given[grade_id]`` (signatures and scaffolding the student builds on).
+    """
+    released = json.loads(exercise_path(name).read_text())["cells"]
+    code = "\n".join("".join(cell["source"]) for cell in released if cell["cell_type"] == "code")
+    for text in absent:
+        assert text not in code, f"the released {name} shows {text!r}"
+    cells = nbgrader_cells(exercise_path(name))
+    stub = f'raise NotImplementedError("{EXPECTED[name].title}")'
+    for grade_id, count in stubs.items():
+        assert cells[grade_id].count(stub) == count, f"{grade_id} should hold {count} stub(s):\n{cells[grade_id]}"
+    for grade_id, lines in given.items():
+        for line in lines:
+            assert line in cells[grade_id], f"{grade_id} lost {line!r}:\n{cells[grade_id]}"
+
+
+def solution_code(name: str) -> dict[str, str]:
+    """The source's solution cells with the markers taken out: a student who got it all right."""
+    return {grade_id: "\n".join(line for line in source.split("\n") if "SOLUTION" not in line)
+            for grade_id, source in nbgrader_cells(source_path(name), solution_only=True).items()}
+
+
+def student_copy(name: str, directory: Path, answers: dict[str, str]) -> Path:
+    """The released exercise with some solution cells filled in, saved as a student would."""
+    nb = json.loads(exercise_path(name).read_text())
+    for cell in nb["cells"]:
+        grade_id = cell["metadata"].get("nbgrader", {}).get("grade_id")
+        if grade_id in answers:
+            cell["source"] = answers[grade_id]
+    path = directory / f"{name}.ipynb"
+    path.write_text(json.dumps(nb, indent=1))
+    return path
+
+
+def grade_answers(name: str, directory: Path, answers: dict[str, str], **options) -> Report:
+    """Grade the released exercise with ``answers`` filled in (one Jupyter kernel, a few seconds)."""
+    return grade_notebook(student_copy(name, directory, answers), source=source_path(name), **options)
+
+
+def by_id(report: Report) -> dict:
+    """The report's checks, by grade_id, in notebook order."""
+    return {check.grade_id: check for check in report.checks}
+
+
+def failed(report: Report) -> list[str]:
+    """The grade_ids of the checks that failed, in notebook order."""
+    return [grade_id for grade_id, check in by_id(report).items() if not check.passed]
