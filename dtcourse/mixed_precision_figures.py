@@ -29,7 +29,8 @@ if TYPE_CHECKING:
 
 __all__ = ["FORMATS", "NumberFormat", "number_formats", "plot_number_formats", "gradient_sample", "Fractions",
            "fp16_fractions", "LossScaleView", "loss_scale_widget", "lost_updates", "update_underflow",
-           "plot_update_underflow", "loss_curves", "plot_loss_curves", "LOSS_FACTOR", "CURVE_BATCH"]
+           "plot_update_underflow", "loss_curves", "plot_loss_curves", "LOSS_FACTOR", "CURVE_BATCH",
+           "scaler_trace"]
 
 FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # The loss curves' setting. Batches of 16 x 32 tokens, and the loss divided by 2^9 before
@@ -197,6 +198,36 @@ def loss_scale_widget(grads: Mapping[str, torch.Tensor] | None = None, max_log2_
     view = LossScaleView(gradient_sample() if grads is None else grads)
     slider = widgets.IntSlider(value=0, min=0, max=max_log2_scale, description="log2 S")
     return figure_widget({"slider": slider}, view.show, view.figure, max_width="760px", view=view)
+
+
+# --------------------------------------------------------------------------- #
+# A loss scaler's decisions, step by step
+# --------------------------------------------------------------------------- #
+def scaler_trace(scaler, steps: int = 12, planted: Mapping[int, float] | None = None):
+    """Train a small MLP with SGD under ``scaler``, planting ``planted[step]`` in one gradient.
+
+    Works with any object with GradScaler's methods (ours or ``torch.amp.GradScaler``).
+    Returns ``([(scale after update(), step skipped), ...], final parameters)``.
+    """
+    import torch.nn.functional as F
+    from dtcourse.models import MLP, regression_batch
+
+    planted = {3: math.inf, 4: math.nan, 9: math.inf} if planted is None else planted
+    model = MLP((4, 8, 3), seed=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    trace = []
+    for step in range(steps):
+        x, y = regression_batch(8, 4, 3, seed=step)
+        scaler.scale(F.mse_loss(model(x), y)).backward()
+        if step in planted:
+            model.net[0].weight.grad[0, 0] = planted[step]    # an overflow, as a too-large scale makes
+        before = [p.detach().clone() for p in model.parameters()]
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+        skipped = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        trace.append((scaler.get_scale(), skipped))
+    return trace, [p.detach() for p in model.parameters()]
 
 
 # --------------------------------------------------------------------------- #

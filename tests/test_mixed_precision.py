@@ -407,3 +407,12 @@ def test_cuda_autocast_with_our_scaler_matches_gradscaler(dtype):
 def test_cuda_recipes_train(name):
     run = train(name, 60, batch_size=16, device="cuda")
     assert sum(run.losses[-5:]) / 5 < run.losses[0] - 0.5      # on CPU: 5.55 -> 4.3 in 60 steps
+
+
+def test_scaler_trace_reports_the_planted_overflows_as_skipped():
+    from dtcourse.mixed_precision_figures import scaler_trace
+
+    ours, our_weights = scaler_trace(DynamicLossScaler(growth_interval=3))
+    theirs, their_weights = scaler_trace(torch.amp.GradScaler("cpu", growth_interval=3))
+    assert [i for i, (_, skipped) in enumerate(ours) if skipped] == [3, 4, 9]   # inf, nan, inf planted
+    assert ours == theirs and all(torch.equal(a, b) for a, b in zip(our_weights, their_weights))
