@@ -34,7 +34,7 @@ exercises:
 bench: setup
 	OMP_NUM_THREADS=1 $(PY) -m dtcourse.bench.launch
 	OMP_NUM_THREADS=1 $(PY) -m dtcourse.bench.collectives
-	OMP_NUM_THREADS=1 $(PY) -m dtcourse.bench.ddp
+	OMP_NUM_THREADS=1 $(PY) -m dtcourse.bench.data_parallel
 	OMP_NUM_THREADS=1 $(PY) -m dtcourse.bench.parameter_server
 	OMP_NUM_THREADS=1 $(PY) -m dtcourse.bench.checkpointing
 

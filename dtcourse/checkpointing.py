@@ -26,7 +26,7 @@ Example::
     from dtcourse.checkpointing import checkpoint_sequential
     y = checkpoint_sequential(model.net, segments=2, x=x)   # then y.sum().backward() as usual
 
-``dtcourse.checkpointing_measurements`` measures what each choice holds and costs, and
+``dtcourse.lab.checkpointing`` measures what each choice holds and costs, and
 ``python -m dtcourse.bench.checkpointing`` prints it.
 """
 
@@ -44,7 +44,9 @@ __all__ = ["checkpoint", "segment_bounds", "checkpoint_sequential", "Checkpointe
            "Checkpointed", "SelectiveAttention", "apply_full_recomputation",
            "apply_selective_recomputation"]
 
-_AUTOCAST_DEVICES = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
+# Reading autocast flags touches no GPU; asking torch.cuda.is_available() here would initialise
+# CUDA at import, and then no rank that launch forks could use it.
+_AUTOCAST_DEVICES = ("cpu", "cuda") if torch.backends.cuda.is_built() else ("cpu",)
 
 
 class _Recomputation:

@@ -29,17 +29,22 @@ On CUDA, ``measure_step(..., device="cuda", by="allocator")`` measures the same
 step a second way, from ``torch.cuda.memory_allocated`` deltas (the caching
 allocator rounds each block up to 512 bytes, so it reads a little higher).
 Regions under ``torch.utils.checkpoint`` (non-reentrant) push their own hooks,
-so tensors they decline to save are, correctly, not counted.
+so tensors they decline to save are, correctly, not counted. ``HeldBytes`` counts every
+storage alive instead (what a checkpointed step really holds, recomputed tensors included).
+``dtcourse.lab.memory`` draws and tabulates these numbers for lesson 00.
 """
 
 from __future__ import annotations
 
 import copy
+import weakref
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 if TYPE_CHECKING:
     from dtcourse.models import GPTConfig
@@ -47,7 +52,7 @@ if TYPE_CHECKING:
 __all__ = ["StepMemory", "measure_step", "storage_bytes", "SavedTensors", "ADAM_BYTES_PER_PARAM",
            "adam_model_state_bytes", "predict_adam_step", "mlp_activation_bytes",
            "gpt_layer_activation_bytes", "gpt_activation_bytes", "korthikanti_layer_bytes",
-           "plot_step_memory", "table"]
+           "HeldBytes"]
 
 # bytes per parameter for (parameters, gradients, optimizer states) under Adam; K = 8 or 12.
 ADAM_BYTES_PER_PARAM = {"fp32": (4, 4, 8), "mixed": (2, 2, 12)}
@@ -289,42 +294,44 @@ def korthikanti_layer_bytes(s: int, b: int, h: int, a: int) -> float:
 # --------------------------------------------------------------------------- #
 # Figure
 # --------------------------------------------------------------------------- #
-_UNITS = {"B": 1, "KiB": 2 ** 10, "MiB": 2 ** 20, "GiB": 2 ** 30}
 
 
-def plot_step_memory(cases: Mapping[str, tuple[StepMemory, StepMemory]], unit: str = "KiB"):
-    """Grouped bars, one panel per case: measured beside predicted bytes for each kind.
+class HeldBytes(TorchDispatchMode):
+    """Within ``with HeldBytes() as held:``, the bytes of the storages that ops allocated and that are alive.
 
-    ``cases`` maps a title to ``(measured, predicted)``. Each panel's first bar
-    container is the measured one, the second the prediction (labels say so).
-    Returns the matplotlib Figure (no pyplot, so it draws headlessly).
+    ``held.now`` is the current total, ``held.peak`` its largest value, ``held.trace`` the
+    total after every op, in order, and ``held.mark()`` the trace's length so far (to find
+    the end of the forward in it later).
     """
-    from matplotlib.figure import Figure
 
-    if unit not in _UNITS:
-        raise ValueError(f"plot_step_memory: unit must be one of {list(_UNITS)}, got {unit!r}.")
-    scale = _UNITS[unit]
-    fig = Figure(figsize=(4.2 * len(cases), 3.6), layout="constrained")
-    axes = fig.subplots(1, len(cases), sharey=True, squeeze=False)[0]
-    x = range(len(StepMemory.KINDS))
-    for ax, (title, (measured, predicted)) in zip(axes, cases.items()):
-        for offset, label, mem, color in ((-0.2, "measured", measured, "tab:blue"),
-                                          (0.2, "predicted", predicted, "tab:orange")):
-            heights = [getattr(mem, kind) / scale for kind in StepMemory.KINDS]
-            ax.bar([i + offset for i in x], heights, width=0.4, label=label, color=color)
-        ax.set_xticks(list(x), ["params", "grads", "optimizer\nstates", "activations"])
-        ax.set_title(f"{title}\nmeasured total {measured.total / scale:,.0f} {unit}", fontsize=10)
-        ax.grid(axis="y", alpha=0.3)
-    axes[0].set_ylabel(unit)
-    axes[0].legend()
-    return fig
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = self.peak = 0
+        self.trace: list[int] = []
+        self._live: dict[int, weakref.ref] = {}
 
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if not isinstance(t, torch.Tensor):
+                continue
+            storage = t.untyped_storage()
+            # A view or an in-place op returns an input's storage: nothing new was allocated.
+            if storage.data_ptr() in inputs or id(storage) in self._live or storage.nbytes() == 0:
+                continue
+            self._live[id(storage)] = weakref.ref(storage, self._on_free(id(storage), storage.nbytes()))
+            self.now += storage.nbytes()
+        self.peak = max(self.peak, self.now)
+        self.trace.append(self.now)
+        return out
 
-def table(columns: Mapping[str, StepMemory]) -> str:
-    """A text table of bytes: one row per kind plus model states and total, one column per entry."""
-    width = max(14, *(len(name) + 2 for name in columns))
-    lines = [" " * 18 + "".join(f"{name:>{width}}" for name in columns)]
-    for row in (*StepMemory.KINDS, "model_states", "total"):
-        lines.append(f"{row:<18}" + "".join(f"{getattr(m, row):>{width},}" for m in columns.values()))
-    return "\n".join(lines)
+    def _on_free(self, key: int, nbytes: int) -> Callable[[Any], None]:
+        def freed(_: Any) -> None:
+            self._live.pop(key, None)
+            self.now -= nbytes
+        return freed
 
+    def mark(self) -> int:
+        return len(self.trace)

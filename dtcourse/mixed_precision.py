@@ -18,8 +18,8 @@ apart that a plain fp32 step keeps together:
    multiplied by ``growth_factor``. ``StaticLossScaler`` keeps one S throughout.
 
 bf16 (Kalamkar et al. 2019, arXiv 1905.12322) has fp32's 8 exponent bits, so it needs no loss
-scaling; ``Recipe(torch.bfloat16, autocast=True)`` trains with ``torch.autocast`` instead of a
-16-bit copy. Every fp16 and bf16 number here is real: nothing is emulated, on CPU or on CUDA.
+scaling; it trains with ``torch.autocast`` instead of a 16-bit copy (lesson 04's recipes, in
+``dtcourse.lab.mixed_precision``, compare all four). Every fp16 and bf16 number here is real: nothing is emulated, on CPU or on CUDA.
 
 Example::
 
@@ -33,16 +33,13 @@ Example::
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
 
-from dtcourse.models import GPT, GPTConfig, lm_loss, token_batch
 
-__all__ = ["MasterWeights", "LossScaler", "StaticLossScaler", "DynamicLossScaler", "to_fp32",
-           "Recipe", "RECIPES", "TrainingRun", "train", "CURVE_GPT"]
+__all__ = ["MasterWeights", "LossScaler", "StaticLossScaler", "DynamicLossScaler", "to_fp32", "LOW_PRECISION"]
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -247,100 +244,3 @@ class DynamicLossScaler(LossScaler):
         self.backoff_factor = float(state_dict["backoff_factor"])
         self.growth_interval = int(state_dict["growth_interval"])
         self._growth_tracker = int(state_dict["_growth_tracker"])
-
-
-# --------------------------------------------------------------------------- #
-# Training recipes, for the loss curves of lesson 04
-# --------------------------------------------------------------------------- #
-@dataclass(frozen=True)
-class Recipe:
-    """How a training step treats number formats.
-
-    ``compute`` is the dtype forward and backward run in. With ``autocast=False`` a 16-bit
-    copy of the model runs them and the optimizer steps fp32 ``MasterWeights``; with
-    ``autocast=True`` the weights stay fp32 and ``torch.autocast`` runs matmuls in ``compute``.
-    ``scaler`` builds a loss scaler (``DynamicLossScaler``, ``partial(StaticLossScaler, 2.0**10)``,
-    or anything with GradScaler's methods, GradScaler itself included) or is None for no loss scaling.
-    """
-
-    compute: torch.dtype = torch.float32
-    autocast: bool = False
-    scaler: Callable[[], Any] | None = None
-
-    def __post_init__(self) -> None:
-        if self.compute not in (torch.float32, *LOW_PRECISION):
-            raise ValueError(f"Recipe: compute must be float32, float16 or bfloat16, got {self.compute}.")
-        if self.autocast and self.compute == torch.float32:
-            raise ValueError("Recipe: autocast=True needs a 16-bit compute dtype (float16 or bfloat16).")
-
-
-RECIPES = {
-    "fp32": Recipe(),
-    "fp16, no loss scaling": Recipe(torch.float16),
-    "fp16, dynamic loss scaling": Recipe(torch.float16, scaler=DynamicLossScaler),
-    "bf16 autocast": Recipe(torch.bfloat16, autocast=True),
-}
-
-# Small enough that a real fp16 step stays cheap on a CPU without fp16 arithmetic units, where
-# fp16 runs about 8x slower than fp32 (measured on the course's CI machine, an AMD EPYC with
-# AVX but no AVX-512: 131 ms against 16 ms for a forward and backward of GPTConfig() at batch 16).
-CURVE_GPT = GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=4, d_model=32)
-
-
-@dataclass
-class TrainingRun:
-    """One recipe's training: the loss and the loss scale of every step, and the skipped steps."""
-
-    name: str
-    losses: list[float] = field(default_factory=list)    # unscaled, in fp32, also on skipped steps
-    scales: list[float] = field(default_factory=list)    # the scale each step's loss was multiplied by
-    skipped: list[int] = field(default_factory=list)     # steps whose update was skipped (inf/NaN)
-    params: list[torch.Tensor] = field(default_factory=list)   # the fp32 weights (masters) at the end
-
-
-def train(recipe: Recipe | str, steps: int = 200, *, config: GPTConfig = CURVE_GPT, batch_size: int = 16,
-          lr: float = 3e-3, loss_factor: float = 1.0, seed: int = 0,
-          device: str | torch.device = "cpu") -> TrainingRun:
-    """Train ``GPT(config, seed)`` with Adam for ``steps`` steps under ``recipe`` (or a name in RECIPES).
-
-    Each step draws a fresh ``token_batch``. The loss is computed in fp32 from the logits, then
-    multiplied by ``loss_factor`` before backward: a factor below 1 gives the gradients the
-    small magnitudes of a model that averages its loss over many more tokens (Adam, which
-    divides each update by the gradient's running RMS, hardly notices; fp16 does).
-    """
-    name = recipe if isinstance(recipe, str) else repr(recipe)
-    recipe = RECIPES[recipe] if isinstance(recipe, str) else recipe
-    device = torch.device(device)
-    model = GPT(config, seed=seed).to(device)
-    master = None
-    if not recipe.autocast and recipe.compute != torch.float32:
-        master = MasterWeights(model, recipe.compute)                 # model is now 16-bit
-    optimizer = torch.optim.Adam(model.parameters() if master is None else master.parameters(), lr=lr)
-    scaler = recipe.scaler() if recipe.scaler is not None else None
-    stepped = [0]                                                # optimizer.step() calls, to see skips
-    optimizer.register_step_post_hook(lambda *_: stepped.__setitem__(0, stepped[0] + 1))
-    run = TrainingRun(name)
-    for step in range(steps):
-        x, y = (t.to(device) for t in token_batch(config, batch_size, seed=seed * 1_000_003 + step))
-        with torch.autocast(device.type, dtype=recipe.compute, enabled=recipe.autocast):
-            logits = model(x)                                    # (B, T, vocab) in `compute`
-        loss = lm_loss(logits.float(), y)                        # softmax and mean in fp32
-        run.losses.append(loss.item())
-        run.scales.append(1.0 if scaler is None else scaler.get_scale())
-        loss = loss * loss_factor
-        (loss if scaler is None else scaler.scale(loss)).backward()
-        if master is not None:
-            master.grads_to_master()                             # 16-bit grads -> fp32, still scaled
-        calls = stepped[0]
-        if scaler is None:
-            optimizer.step()
-        else:
-            scaler.step(optimizer)                               # unscale, check, step or skip
-            scaler.update()
-        if stepped[0] == calls:
-            run.skipped.append(step)
-        optimizer.zero_grad(set_to_none=True)
-        if master is not None:
-            master.master_to_model()                             # round the masters into fp16/bf16
-    run.params = [p.detach().clone() for p in optimizer.param_groups[0]["params"]]
-    return run

@@ -46,7 +46,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 __all__ = ["GPTConfig", "GPT", "MLP", "token_batch", "regression_batch", "classification_batch",
-           "lm_loss"]
+           "lm_loss", "DDP_GPT", "CURVE_GPT", "RECOMPUTE_GPT"]
 
 
 @contextlib.contextmanager
@@ -87,6 +87,23 @@ class GPTConfig:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_head
+
+
+# --------------------------------------------------------------------------- #
+# The lessons' model sizes, in one place
+# --------------------------------------------------------------------------- #
+# Lesson 02 (DDP timelines and benchmark): 867k parameters (3.3 MiB of float32 gradients), big
+# enough that all-reducing them shows on a timeline, small enough that a step on one CPU thread
+# takes tens of milliseconds.
+DDP_GPT = GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, d_model=128)
+# Lesson 04 (loss curves): small enough that a real fp16 step stays cheap on a CPU without fp16
+# arithmetic units, where fp16 runs about 8x slower than fp32 (measured on the course's CI
+# machine, an AMD EPYC with AVX but no AVX-512: 131 ms against 16 ms for a forward and backward
+# of GPTConfig() at batch 16).
+CURVE_GPT = GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=4, d_model=32)
+# Lesson 05 (recomputation policies): a·s/h = 8 (GPT-3's is 16), so the attention scores are a
+# third of what a layer keeps.
+RECOMPUTE_GPT = GPTConfig(vocab_size=256, block_size=128, n_layer=4, n_head=8, d_model=128)
 
 
 def _dropout(p: float) -> nn.Module:

@@ -3,11 +3,11 @@
 Every exercise is a notebook in ``solutions/`` (answers and hidden tests marked for nbgrader)
 and its released copy in ``exercises/``. The tests that every exercise must pass (released copy
 current and identical to nbgrader's, full marks for the solution, zero for the untouched copy)
-are written once, parametrized over ``NAMES``, in ``test_exercises.py`` and ``test_grade.py``.
-Each exercise's own wrong answers are in ``test_exercise<NN>.py`` (exercise 01's in
-``test_grade.py``). Run everything about one exercise with, for example::
+are written once, parametrized over ``NAMES``, in ``test_grading_exercises.py`` and ``test_grading.py``.
+Each exercise's own wrong answers are in ``test_<stem>_exercise.py`` (exercise 01's in
+``test_grading.py``). Run everything about one exercise with, for example::
 
-    pytest -q tests -k "02_ddp_buckets or test_exercise02"
+    pytest -q tests -k "02_data_parallel_buckets or test_data_parallel_exercise"
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from dtcourse.grade import Report, grade_notebook
+from dtcourse.grading.grade import Report, grade_notebook
 
 ROOT = Path(__file__).resolve().parents[1]
 NAMES = sorted(path.stem for path in (ROOT / "solutions").glob("*.ipynb"))
@@ -33,17 +33,17 @@ class Expected:
 
 
 EXPECTED = {
-    "01_ring_collectives": Expected(
+    "01_collectives_ring": Expected(
         "Exercise 01: ring collectives", 14, 7,
         frozenset({"check_reduce_scatter_hidden", "check_all_gather_hidden", "check_all_reduce_hidden"})),
-    "02_ddp_buckets": Expected(
+    "02_data_parallel_buckets": Expected(
         "Exercise 02: ddp buckets", 12, 5, frozenset({"check_buckets_hidden", "check_parity_hidden"})),
-    "03_async_server": Expected(
+    "03_parameter_server_staleness": Expected(
         "Exercise 03: async server", 12, 8,
         frozenset({"check_once_hidden", "check_bound_hidden", "check_parity_hidden", "check_hang_hidden"})),
-    "04_loss_scaler": Expected(
+    "04_mixed_precision_loss_scaler": Expected(
         "Exercise 04: loss scaler", 10, 5, frozenset({"check_streams_hidden", "check_edges_hidden"})),
-    "05_checkpointed_sequential": Expected(
+    "05_checkpointing_sequential": Expected(
         "Exercise 05: checkpointed sequential", 12, 5,
         frozenset({"check_segments_hidden", "check_gradients_hidden"})),
 }

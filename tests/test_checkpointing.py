@@ -13,12 +13,11 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from torch.utils.checkpoint import checkpoint_sequential as torch_checkpoint_sequential
 
-from dtcourse import checkpointing_figures as figures
-from dtcourse import checkpointing_measurements as measurements
+from dtcourse.lab import checkpointing as lab
 from dtcourse.checkpointing import (Checkpointed, CheckpointedSequential, SelectiveAttention,
                                     apply_full_recomputation, apply_selective_recomputation, checkpoint,
                                     checkpoint_sequential, segment_bounds)
-from dtcourse.memory import SavedTensors
+from dtcourse.memory import HeldBytes, SavedTensors
 from dtcourse.models import GPT, GPTConfig, lm_loss, token_batch
 
 TINY_GPT = GPTConfig(vocab_size=32, block_size=16, n_layer=3, n_head=4, d_model=32, dropout=0.1)
@@ -248,7 +247,7 @@ def test_a_function_that_changes_between_runs_is_an_error():
 # Memory: what a checkpoint keeps
 # --------------------------------------------------------------------------- #
 def test_saved_tensors_sees_only_the_plain_last_segment():
-    layers, x = measurements.mlp_layers(6, 16), torch.randn(4, 16)
+    layers, x = lab.mlp_layers(6, 16), torch.randn(4, 16)
     with SavedTensors(layers) as saved:
         checkpoint_sequential(layers, 3, x)
     # the last segment, layers 4 and 5: its input (saved by layer 4's Linear) and layer 4's
@@ -257,7 +256,7 @@ def test_saved_tensors_sees_only_the_plain_last_segment():
 
 
 def test_held_bytes_match_the_segment_prediction():
-    points = measurements.measure_segments(n_layers=6, width=16, batch=4, repeats=1)
+    points = lab.measure_segments(n_layers=6, width=16, batch=4, repeats=1)
     assert [p.segments for p in points] == [1, 2, 3, 4, 5, 6]
     for p in points:
         last = segment_bounds(6, p.segments)[-1]
@@ -265,12 +264,12 @@ def test_held_bytes_match_the_segment_prediction():
         assert p.recomputed_layers == last[0]            # every layer before the last segment, once
         assert p.peak >= p.held_after_forward and len(p.trace) > p.forward_ops > 0
     assert min(points, key=lambda p: p.held_after_forward).segments in (2, 3)   # √6 ≈ 2.4
-    assert measurements.predicted_segment_units(16, 4) == 7 and measurements.predicted_segment_units(16, 1) == 16
+    assert lab.predicted_segment_units(16, 4) == 7 and lab.predicted_segment_units(16, 1) == 16
 
 
 def test_held_bytes_match_the_policy_prediction():
     config = GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=4, d_model=16)
-    points = {p.policy: p for p in measurements.measure_policies(config, batch=2, repeats=1)}
+    points = {p.policy: p for p in lab.measure_policies(config, batch=2, repeats=1)}
     for p in points.values():
         assert p.held_after_forward == p.predicted_held, p
     s, b, h, a = 16, 2, 16, 4
@@ -279,22 +278,22 @@ def test_held_bytes_match_the_policy_prediction():
     assert points["none"].predicted_overhead == 0 < points["selective"].predicted_overhead \
         < points["full"].predicted_overhead < 1 / 3
     with pytest.raises(ValueError, match="policy must be one of"):
-        measurements.predicted_policy_bytes(config, 2, 16, "some")
+        lab.predicted_policy_bytes(config, 2, 16, "some")
 
 
 def test_figures_and_widget_draw_the_measurements():
-    points = measurements.measure_segments(n_layers=4, width=8, batch=2, repeats=1)
-    fig = figures.plot_segments(points)
+    points = lab.measure_segments(n_layers=4, width=8, batch=2, repeats=1)
+    fig = lab.plot_segments(points)
     left, right = fig.axes
     predicted, measured, peak = left.lines[:3]
     assert list(measured.get_ydata()) == [p.held_after_forward / 1024 for p in points]
     assert list(predicted.get_ydata()) == [p.predicted_held / 1024 for p in points]
     assert list(right.lines[1].get_ydata()) == [p.step_ms for p in points]
-    policies = measurements.measure_policies(GPTConfig(vocab_size=32, block_size=8, n_layer=1, n_head=2,
+    policies = lab.measure_policies(GPTConfig(vocab_size=32, block_size=8, n_layer=1, n_head=2,
                                                        d_model=8), batch=1, repeats=1)
-    bars = figures.plot_policies(policies).axes[0].containers[0]
+    bars = lab.plot_policies(policies).axes[0].containers[0]
     assert [b.get_height() for b in bars] == [p.held_after_forward / 2**20 for p in policies]
-    box = figures.trace_widget(points)
+    box = lab.trace_widget(points)
     assert box.view.segments == 2                                       # √4
     first = box.image.value
     box.slider.value = 4

@@ -8,9 +8,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dtcourse.memory import (SavedTensors, StepMemory, gpt_activation_bytes, gpt_layer_activation_bytes,
-                             korthikanti_layer_bytes, measure_step, mlp_activation_bytes, plot_step_memory,
-                             predict_adam_step)
-from dtcourse.memory import table as memory_table
+                             korthikanti_layer_bytes, measure_step, mlp_activation_bytes, predict_adam_step)
+from dtcourse.lab.memory import plot_step_memory
+from dtcourse.lab.memory import table as memory_table
 from dtcourse.models import GPT, MLP, GPTConfig, classification_batch, lm_loss, regression_batch, token_batch
 
 SMALL = GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=2, d_model=16)

@@ -17,10 +17,10 @@ import torch
 import torch.nn.functional as F
 
 from dtcourse import memory
-from dtcourse import mixed_precision_figures as figures
-from dtcourse.mixed_precision import (CURVE_GPT, DynamicLossScaler, MasterWeights, Recipe, StaticLossScaler,
-                                      TrainingRun, train)
-from dtcourse.models import GPT, MLP, lm_loss, regression_batch, token_batch
+from dtcourse.lab import mixed_precision as figures
+from dtcourse.lab.mixed_precision import Recipe, TrainingRun, train
+from dtcourse.mixed_precision import DynamicLossScaler, MasterWeights, StaticLossScaler
+from dtcourse.models import CURVE_GPT, GPT, MLP, lm_loss, regression_batch, token_batch
 
 INF, NAN = math.inf, math.nan
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -410,7 +410,7 @@ def test_cuda_recipes_train(name):
 
 
 def test_scaler_trace_reports_the_planted_overflows_as_skipped():
-    from dtcourse.mixed_precision_figures import scaler_trace
+    from dtcourse.lab.mixed_precision import scaler_trace
 
     ours, our_weights = scaler_trace(DynamicLossScaler(growth_interval=3))
     theirs, their_weights = scaler_trace(torch.amp.GradScaler("cpu", growth_interval=3))

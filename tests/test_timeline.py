@@ -1,4 +1,5 @@
-"""Timeline: the recorder, merging clocks, DDP corrections, the Gantt figure and its widget, real DDP steps.
+"""Timelines (``dtcourse.runtime.timeline``, drawn by ``dtcourse.lab.timeline``; DDP's in
+``dtcourse.lab.data_parallel``): the recorder, merging clocks, DDP corrections, the Gantt figure and its widget, real DDP steps.
 
 The figure tests assert that every bar is exactly a recorded span. The real-run tests assert only
 orderings that follow from the algorithm (an overlapped bucket is launched inside the hook of the
@@ -15,10 +16,10 @@ matplotlib.use("Agg")
 
 import pytest  # noqa: E402
 
-from dtcourse.models import GPT  # noqa: E402
-from dtcourse.timeline import (DDP_GPT, Span, Timeline, TimelineView, ddp_spans,  # noqa: E402
-                               ddp_timeline_widget, merge, overlap_summary, timeline_figure,
-                               timeline_widget)
+from dtcourse.lab.data_parallel import ddp_spans, ddp_timeline_widget, overlap_summary  # noqa: E402
+from dtcourse.lab.timeline import TimelineView, timeline_figure, timeline_widget  # noqa: E402
+from dtcourse.models import DDP_GPT, GPT  # noqa: E402
+from dtcourse.runtime.timeline import Span, Timeline, merge  # noqa: E402
 
 
 def test_recorder_stores_spans_relative_to_its_origin_and_pickles():

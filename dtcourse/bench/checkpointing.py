@@ -5,8 +5,8 @@
     python -m dtcourse.bench.checkpointing --out bench-results/checkpointing.png
 
 The measurements and the predictions they are printed beside come from
-``dtcourse.checkpointing_measurements`` (its docstring explains both), the figures from
-``dtcourse.checkpointing_figures``; lesson 05 draws the same ones. This script adds
+``dtcourse.lab.checkpointing`` (its docstring explains both), with the figures; lesson 05 draws
+the same ones. This script adds
 ``torch.utils.checkpoint.checkpoint_sequential`` timed on the same stack in the same run as the
 reference. Times are medians over interleaved repeats, printed and drawn, never asserted.
 """
@@ -21,9 +21,9 @@ from typing import Sequence
 
 import torch
 
-from dtcourse.checkpointing_figures import plot_policies, plot_segments
-from dtcourse.checkpointing_measurements import (RECOMPUTE_GPT, measure_policies, measure_segments, mlp_layers,
-                                                 predicted_step_ms)
+from dtcourse.lab.checkpointing import (measure_policies, measure_segments, mlp_layers, plot_policies,
+                                       plot_segments, predicted_step_ms)
+from dtcourse.models import RECOMPUTE_GPT
 
 __all__ = ["main"]
 

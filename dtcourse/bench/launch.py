@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dtcourse.launcher import launch
+from dtcourse.runtime.launch import launch
 
 
 def _all_reduce_rank() -> float:

@@ -240,7 +240,7 @@ def check_checkpoint_memory(cls: Callable, segments: int = 3, timeout: float | N
     """With ``cls(*layers, segments=...)`` the stack must hold only what a checkpointed stack holds.
 
     Twelve layers of Linear(64, 64) + ReLU on a batch of 16: after the forward, the bytes of
-    tensors still alive (``checkpointing_measurements.HeldBytes``) must be those of the
+    tensors still alive (``memory.HeldBytes``) must be those of the
     checkpointed segments' inputs plus the last segment's layer outputs, and backward must
     run each layer of a checkpointed segment exactly once more, and the last segment's none.
     """
@@ -251,7 +251,8 @@ def check_checkpoint_memory(cls: Callable, segments: int = 3, timeout: float | N
 
 
 def _memory_rank(cls: Callable, k: int, progress: str) -> list:
-    from dtcourse.checkpointing_measurements import HeldBytes, mlp_layers, predicted_segment_units
+    from dtcourse.lab.checkpointing import mlp_layers, predicted_segment_units
+    from dtcourse.memory import HeldBytes
     from dtcourse.checkpointing import segment_bounds
     n, width, batch = 12, 64, 16
     where = f"12 layers of Linear({width}) + ReLU, batch {batch}, segments={k}"

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from dtcourse.checks.common import _notes, _read, _student_error, _tail
-from dtcourse.launcher import LaunchError, RankError, launch
+from dtcourse.runtime.launch import LaunchError, RankError, launch
 
 __all__ = ["check_ring_exchange", "check_reduce_scatter", "check_all_gather", "check_all_reduce", "FLOATS"]
 

@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 
 import torch.distributed as dist
 
-from dtcourse.launcher import LaunchError, RankError, launch
+from dtcourse.runtime.launch import LaunchError, RankError, launch
 
 
 def _read(path: Path) -> str:

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.utils import parameters_to_vector
 
-from dtcourse.launcher import LaunchError, RankError, launch
+from dtcourse.runtime.launch import LaunchError, RankError, launch
 from dtcourse.parameter_server.config import Problem, PSConfig
 from dtcourse.parameter_server.server import ParameterServer, ServerResult, Update
 from dtcourse.parameter_server.worker import WorkerTrace, run_worker

@@ -1,0 +1,16 @@
+"""Data parallelism (lesson 02): DistributedDataParallel in three steps, and which samples each rank reads.
+
+* ``ddp.py``: ``DistributedDataParallel(module, bucket_cap_mb=25, overlap=True, group=None)`` with
+  its three strategies (per-parameter, bucketed, overlapped) and ``assign_buckets``.
+* ``sampling.py``: ``DistributedSampler``'s rule rebuilt (``shard_indices``), beside torch's own.
+
+Example::
+
+    from dtcourse.data_parallel import DistributedDataParallel
+    ddp = DistributedDataParallel(MLP(), bucket_cap_mb=25, overlap=True)
+    F.mse_loss(ddp(x), y).backward()      # each p.grad is now the mean over ranks
+"""
+
+from dtcourse.data_parallel.ddp import COMMS, STRATEGIES, DistributedDataParallel, assign_buckets
+
+__all__ = ["DistributedDataParallel", "assign_buckets", "STRATEGIES", "COMMS"]

@@ -1,0 +1,251 @@
+"""Grade an exercise notebook as ``nbgrader autograde`` would, without a gradebook.
+
+Usage::
+
+    python -m dtcourse.grade exercises/01_collectives_ring.ipynb
+    python -m dtcourse.grade ~/work/my_copy.ipynb --source solutions/01_collectives_ring.ipynb
+
+The steps follow nbgrader's (its preprocessor names in brackets):
+
+1. Read the student's notebook and its source: ``solutions/`` file of the same
+   name unless ``--source`` says otherwise.
+2. Sanitize (ClearOutput, DeduplicateIds, OverwriteCells): clear the outputs;
+   a ``grade_id`` that appears twice is graded once, in its first cell; every
+   locked cell (the test cells, the read-only setup) gets back its text as
+   nbgrader keeps it in the gradebook, solutions cleared and hidden tests in;
+   points and flags come from the source. Solution cells keep the student's
+   code. A test cell the student deleted is put back.
+3. Execute (Execute) in a ``python3`` kernel of this environment. A cell that
+   runs past ``--cell-timeout`` is interrupted and fails, and grading goes on.
+   ``--check-timeout`` bounds each ``dtcourse.checks`` launch (a deadlock).
+4. Score each test cell as nbgrader does (``determine_grade``): an error, or
+   anything written to stderr, scores 0; otherwise the cell's points, or the
+   partial score it evaluates to.
+
+Exit status: 0 full marks, 1 some check failed, 2 the notebook could not be graded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import nbformat
+from nbclient import NotebookClient
+
+from dtcourse.grading import exercises
+
+DEFAULT_CELL_TIMEOUT = 300.0  # seconds; each check bounds itself far below this
+
+
+@dataclass
+class Check:
+    """One test (grade) cell: its points, and why it failed ('' if it passed)."""
+
+    grade_id: str
+    points: float | None  # None: needs a person (a manually graded answer)
+    max_points: float
+    message: str = ""
+
+    @property
+    def passed(self) -> bool:
+        return self.points is not None and self.points >= self.max_points
+
+
+@dataclass
+class Report:
+    """What ``grade_notebook`` found; ``str(report)`` is the printed report."""
+
+    notebook: Path
+    source: Path | None
+    checks: list[Check] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # other cells that failed, restored cells
+    error: str = ""  # set when the notebook could not be graded at all
+
+    @property
+    def score(self) -> float:
+        return sum(c.points or 0.0 for c in self.checks)
+
+    @property
+    def max_score(self) -> float:
+        return sum(c.max_points for c in self.checks if c.points is not None)
+
+    @property
+    def exit_code(self) -> int:
+        if self.error:
+            return 2
+        return 0 if all(c.passed for c in self.checks if c.points is not None) else 1
+
+    def __str__(self) -> str:
+        lines = [f"Grading {self.notebook}", f"  against {self.source}", ""]
+        if self.error:
+            return "\n".join(lines + [f"Could not grade: {self.error}"])
+        width = max([len(c.grade_id) for c in self.checks] + [10])
+        for c in self.checks:
+            status = "MANUAL" if c.points is None else "PASS" if c.passed else "FAIL"
+            earned = "?" if c.points is None else f"{c.points:g}"
+            lines.append(f"  {status:<6} {c.grade_id:<{width}}  {earned} / {c.max_points:g}")
+            lines += [f"         {line}" for line in c.message.splitlines()]
+        if self.notes:
+            lines += ["", "Notes:"] + [f"  {note}" for note in self.notes]
+        lines += ["", f"Total: {self.score:g} / {self.max_score:g}"]
+        return "\n".join(lines)
+
+
+def grade_notebook(path: str | os.PathLike, source: str | os.PathLike | None = None,
+                   cell_timeout: float = DEFAULT_CELL_TIMEOUT, check_timeout: float | None = None,
+                   kernel_name: str = "python3") -> Report:
+    """Restore the tests into the notebook at ``path``, run it, and score every test cell."""
+    path = Path(path)
+    source = Path(source) if source else exercises.ROOT / "solutions" / path.name
+    report = Report(path, source)
+    try:
+        nb = nbformat.read(path, as_version=4)
+    except Exception as err:  # a missing file, broken JSON, not a notebook
+        report.error = f"cannot read {path}: {err}"
+        return report
+    if not source.exists():
+        report.error = f"no source notebook {source}; pass --source solutions/<name>.ipynb"
+        return report
+    try:
+        stored = exercises.generate(exercises.loads(source.read_text(encoding="utf-8")), source.stem,
+                                    keep_hidden_tests=True, where=str(source))
+    except exercises.MarkupError as err:
+        report.error = str(err)
+        return report
+    report.notes += _restore(nb, nbformat.from_dict(stored))
+
+    executed: set[int] = set()
+
+    def on_cell_executed(cell: nbformat.NotebookNode, cell_index: int, execute_reply: dict, **_) -> None:
+        # As nbgrader's Execute: an error only the reply knows of (a timeout) becomes an output.
+        executed.add(cell_index)
+        reply = (execute_reply or {}).get("content", {})
+        if reply.get("status") == "error" and not any(
+                o.output_type == "error" and o.ename == reply.get("ename") for o in cell.outputs):
+            cell.outputs.insert(0, nbformat.v4.new_output("error", ename=reply.get("ename", "Error"),
+                                                          evalue=reply.get("evalue", ""), traceback=[]))
+
+    env = dict(os.environ, DTCOURSE_CHECK_TIMEOUT=str(check_timeout)) if check_timeout else None
+    client = NotebookClient(
+        nb, timeout=max(1, round(cell_timeout)), kernel_name=kernel_name, allow_errors=True,
+        interrupt_on_timeout=True, resources={"metadata": {"path": str(path.parent.resolve())}},
+        error_on_timeout={"ename": "CellTimeoutError", "traceback": [],
+                          "evalue": f"the cell ran longer than {cell_timeout:g} s and was interrupted"},
+        on_cell_executed=on_cell_executed)
+    stopped = ""
+    try:
+        client.execute(**({"env": env} if env else {}))
+    except Exception as err:  # the kernel died, or never started
+        stopped = f"{type(err).__name__}: {_first_line(str(err))}"
+        if not executed:
+            report.error = f"the kernel {kernel_name!r} did not run the notebook ({stopped})"
+            return report
+    _score(nb, executed, stopped, report)
+    return report
+
+
+def _restore(nb: nbformat.NotebookNode, stored: nbformat.NotebookNode) -> list[str]:
+    """Put the gradebook's locked cells and metadata back into the student's notebook."""
+    notes, kept = [], {}
+    wanted = {c.metadata.nbgrader["grade_id"]: c for c in stored.cells if "nbgrader" in c.metadata
+              and "grade_id" in c.metadata.nbgrader}
+    for index, cell in enumerate(nb.cells):
+        if cell.cell_type == "code":
+            cell.outputs, cell.execution_count = [], None
+        grade_id = cell.metadata.get("nbgrader", {}).get("grade_id")
+        if grade_id is None:
+            continue
+        if grade_id in kept or grade_id not in wanted:
+            if grade_id in kept:
+                notes.append(f"cell {index} repeats {grade_id!r}; only the first copy is graded")
+            del cell.metadata["nbgrader"]  # run it, but do not grade it
+            continue
+        original = wanted[grade_id]
+        if exercises.is_locked(original):
+            nb.cells[index] = copy.deepcopy(original)
+        else:
+            cell.metadata["nbgrader"] = copy.deepcopy(original.metadata.nbgrader)
+        kept[grade_id] = nb.cells[index]
+    after = None  # put back deleted grade and locked cells, after the cell before them in the source
+    for cell in stored.cells:
+        grade_id = cell.metadata.get("nbgrader", {}).get("grade_id")
+        if grade_id is None:
+            continue
+        if grade_id not in kept:
+            notes.append(f"cell {grade_id!r} was missing; graded with the original")
+            position = next((i + 1 for i, c in enumerate(nb.cells) if c is after), len(nb.cells))
+            nb.cells.insert(position, copy.deepcopy(cell))
+            kept[grade_id] = nb.cells[position]
+        after = kept[grade_id]
+    return notes
+
+
+def _first_line(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    if not lines:
+        return ""
+    return lines[0] + (f" ... {lines[-1]}" if lines[0].endswith(":") and len(lines) > 1 else "")
+
+
+def _score(nb: nbformat.NotebookNode, executed: set[int], stopped: str, report: Report) -> None:
+    failed_before = False
+    for index, cell in enumerate(nb.cells):
+        meta = cell.metadata.get("nbgrader", {})
+        errors = [o for o in cell.get("outputs", []) if o.output_type == "error"]
+        if not meta.get("grade", False):
+            if errors:
+                failed_before = True
+                report.notes.append(f"cell {index} ({meta.get('grade_id', 'no grade_id')}) raised "
+                                    f"{errors[0].ename}: {_first_line(errors[0].evalue)}")
+            continue
+        check = Check(meta["grade_id"], None, float(meta["points"]))
+        report.checks.append(check)
+        if meta.get("solution", False) or cell.cell_type != "code":
+            check.message = "needs manual grading"
+        elif index not in executed:
+            check.points, check.message = 0.0, f"not run: {stopped or 'execution stopped before it'}"
+        else:
+            check.points, check.message = _determine_grade(cell, check.max_points)
+            if check.points < check.max_points and failed_before and "NameError" in check.message:
+                check.message += "\n(probably because a cell above failed: see Notes)"
+
+
+def _determine_grade(cell: nbformat.NotebookNode, max_points: float) -> tuple[float, str]:
+    """nbgrader's rule for a test cell: the first error or stderr output scores 0."""
+    for output in cell.outputs:
+        if output.output_type == "error":
+            return 0.0, f"{output.ename}: {output.evalue}".strip()
+        if output.output_type == "stream" and output.name == "stderr":
+            return 0.0, ("the cell wrote to stderr, which nbgrader scores as a failure:\n"
+                         + "\n".join(output.text.strip().splitlines()[:5]))
+        if output.output_type == "execute_result":
+            try:  # a cell that evaluates to a number earns that many points
+                points = min(max_points, max(0.0, float(output.data.get("text/plain", ""))))
+                return points, "" if points == max_points else "partial credit"
+            except ValueError:
+                return max_points, ""
+    return max_points, ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dtcourse.grade", description=__doc__.split("\n")[0])
+    parser.add_argument("notebook", type=Path, help="the student's notebook")
+    parser.add_argument("--source", type=Path, help="the source notebook (default: solutions/<same name>)")
+    parser.add_argument("--cell-timeout", type=float, default=DEFAULT_CELL_TIMEOUT,
+                        help="seconds a cell may run before it is interrupted (default %(default)g)")
+    parser.add_argument("--check-timeout", type=float,
+                        help="seconds each check waits for its ranks before calling it a deadlock (default 20)")
+    parser.add_argument("--kernel", default="python3", help="Jupyter kernel name (default %(default)s)")
+    args = parser.parse_args(argv)
+    report = grade_notebook(args.notebook, args.source, args.cell_timeout, args.check_timeout, args.kernel)
+    print(report)
+    return report.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""A matplotlib figure shown through ipywidgets controls, redrawn whenever a control changes.
+
+The course's widgets are thin: a view object (a ``FigureView``) owns a matplotlib figure and a
+method that redraws it for given values (``RingView.show(step)``, ``TraceView.show(segments)``).
+This module does the rest, the same for every lesson: it renders the figure to PNG bytes, shows
+them in a ``widgets.Image`` below the controls, and re-renders when a control's value changes::
+
+    from dtcourse.lab.widgets import figure_widget
+    slider = widgets.IntSlider(min=0, max=view.steps, description="step")
+    box = figure_widget({"slider": slider}, view.show, view.figure, view=view)
+    box.slider.value = 3          # calls view.show(3), then box.image.value = png(view.figure)
+
+The figure goes out as an image rather than through the inline backend, so it redraws in
+place, a notebook shows it once, and a test can drive it headlessly by setting ``.value``.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+if TYPE_CHECKING:   # ipywidgets is imported only when a widget is built
+    import ipywidgets
+    from matplotlib.figure import Figure
+
+__all__ = ["png", "figure_widget", "FigureView"]
+
+
+def png(figure: Figure, dpi: int = 90) -> bytes:
+    """The figure rendered as PNG bytes, the form a ``widgets.Image`` shows."""
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=dpi)
+    return buffer.getvalue()
+
+
+class FigureView:
+    """What every lesson view shares: a matplotlib ``figure`` that ``show(...)`` redraws, and its PNG."""
+
+    figure: Figure
+
+    def png(self) -> bytes:
+        """The figure as PNG bytes, as the widget shows it."""
+        return png(self.figure)
+
+
+def figure_widget(controls: Mapping[str, ipywidgets.ValueWidget], redraw: Callable[..., None], figure: Figure,
+                  max_width: str = "760px", **handles: Any) -> ipywidgets.VBox:
+    """The controls above an image of ``figure``; a change to any control redraws the image.
+
+    ``redraw`` is called with every control's current value, in the order of ``controls``, and
+    updates ``figure``; the image then shows the new PNG. The returned ``VBox`` carries each
+    control under its key in ``controls``, the image as ``.image``, and each of ``handles``
+    (``view=...``), for tests and curious students. Several controls sit side by side in a row.
+    """
+    import ipywidgets as widgets
+
+    if not controls:
+        raise ValueError("figure_widget needs at least one control to redraw the figure from, got none.")
+    image = widgets.Image(value=png(figure), format="png", layout=widgets.Layout(max_width=max_width))
+
+    def on_change(_change: dict) -> None:
+        redraw(*(control.value for control in controls.values()))
+        image.value = png(figure)
+
+    for control in controls.values():
+        control.observe(on_change, names="value")
+    row = list(controls.values())
+    box = widgets.VBox([row[0] if len(row) == 1 else widgets.HBox(row), image])
+    for name, handle in {**controls, "image": image, **handles}.items():
+        setattr(box, name, handle)
+    return box

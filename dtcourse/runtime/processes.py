@@ -1,0 +1,333 @@
+"""The process plumbing under ``launch``: fork, pipes, results, timeouts and clean-up.
+
+Each rank is a forked child with four pipes to the parent: stdout, stderr, a result pipe and a
+stack pipe. The parent multiplexes them with ``selectors``: it prints each output line prefixed
+``[rank r]``, collects one length-prefixed pickled message per rank from the result pipes, and on
+a timeout asks each stuck rank for its Python stack (faulthandler on SIGUSR1).
+
+Each child runs in its own process group (``setpgid``), asks the kernel to kill it if the parent
+dies (``PR_SET_PDEATHSIG``), and is killed with its whole group when the launch ends, on success,
+error, timeout or Ctrl-C. A child never returns into the parent's code: whatever happens in it,
+even an exception before it reaches the user's function, ends in ``os._exit``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import faulthandler
+import os
+import pickle
+import selectors
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["LaunchError", "RankError", "LaunchTimeout", "run_ranks"]
+
+READ_CHUNK = 1 << 20            # bytes per os.read: a 256 MB result arrives in 256 reads
+SETUP_FAILED = 70               # a child's exit code when it failed before running fn
+
+
+class LaunchError(RuntimeError):
+    """A launch could not start, or a rank failed to send its result back."""
+
+
+class RankError(RuntimeError):
+    """A rank raised an exception; ``rank`` and ``remote_traceback`` say where."""
+
+    def __init__(self, rank: int, remote_traceback: str):
+        self.rank = rank
+        self.remote_traceback = remote_traceback
+        super().__init__(f"rank {rank} raised an exception:\n\n{remote_traceback}")
+
+
+class LaunchTimeout(TimeoutError):
+    """Ranks still ran when the timeout expired.
+
+    ``stuck`` lists those ranks; ``stacks`` maps each to the Python stack it was on (innermost
+    call first), as faulthandler printed it. Both are there to read, so no caller parses the
+    message.
+    """
+
+    def __init__(self, timeout: float, stuck: list[int], stacks: dict[int, str]):
+        self.timeout = timeout
+        self.stuck = stuck
+        self.stacks = stacks
+        where = "".join(f"\n  rank {r} was at " + "\n      called from ".join(frames(stacks[r])[:3])
+                        for r in stuck if frames(stacks.get(r, "")))
+        super().__init__(
+            f"launch timed out after {timeout:g} s; rank(s) {stuck} still running. A common cause is a "
+            "collective or recv that another rank never reached (for example a call inside "
+            "`if rank == 0:`). All ranks were stopped; raise timeout= if the work is just slow."
+            + (f"\nWhere the stuck ranks were (innermost call first):{where}" if where else ""))
+
+
+def frames(stack: str) -> list[str]:
+    """The ``File ..., line ..., in ...`` lines of a faulthandler stack, innermost first."""
+    return [ln.strip() for ln in stack.splitlines() if ln.strip().startswith("File")]
+
+
+# --------------------------------------------------------------------------- #
+# Inside a child
+# --------------------------------------------------------------------------- #
+def _set_parent_death_signal() -> None:
+    """Ask Linux to SIGKILL this child if its parent dies (no orphans)."""
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            libc.prctl(1, signal.SIGKILL)  # 1 == PR_SET_PDEATHSIG
+        except OSError:
+            pass
+
+
+def _send(fd: int, payload: bytes) -> None:
+    """Write one length-prefixed pickled message to the parent."""
+    os.write(fd, len(payload).to_bytes(8, "little"))
+    view = memoryview(payload)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _child(fn: Callable, args: tuple, kwargs: dict, rank: int, world_size: int, backend: str,
+           store_path: str, timeout: float, threads: int, fds: list[int]) -> None:
+    """Everything a rank does. Never returns: every path ends in ``os._exit``."""
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})   # blocked by the parent across fork
+        _child_main(fn, args, kwargs, rank, world_size, backend, store_path, timeout, threads, fds)
+    finally:
+        # Reached only if set-up itself failed: the parent reports "before sending a result".
+        os._exit(SETUP_FAILED)
+
+
+def _child_main(fn, args, kwargs, rank, world_size, backend, store_path, timeout, threads, fds) -> None:
+    out_w, err_w, res_w, stack_w = fds
+    os.setpgid(0, 0)
+    _set_parent_death_signal()
+    # Replace the kernel's stdout/stderr (zmq streams that a fork must not
+    # touch) with our pipes, at the file-descriptor level so C++ output too.
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.dup2(out_w, 1)
+    os.dup2(err_w, 2)
+    sys.stdin = open(0, closefd=False)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
+    # On a timeout the parent sends SIGUSR1 and reports where each stuck rank was.
+    faulthandler.register(signal.SIGUSR1, file=os.fdopen(stack_w, "w", closefd=False), all_threads=False)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size))
+    # gloo listens on a free port (the OS picks it) on this interface: loopback
+    # unless the user chose another, so nothing is exposed to the network.
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if threads:
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        store = dist.FileStore(store_path, world_size)
+        # The backend's own timeout comes later than launch's, so a hang is
+        # reported by launch (with the stuck ranks' stacks), not as a gloo error.
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout + 60))
+        result = fn(*args, **kwargs)
+    except BaseException:
+        payload = pickle.dumps(("error", traceback.format_exc()))
+    else:
+        try:
+            payload = pickle.dumps(("ok", result), protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:
+            payload = pickle.dumps(("unpicklable", f"{type(result).__name__}: {exc}"))
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        _send(res_w, payload)
+        # Stay alive, connections open, until the parent ends the job. Then a
+        # rank stuck in a collective that this rank skipped stays stuck, and the
+        # timeout reports it, instead of failing with "connection closed by peer".
+        while True:
+            signal.pause()
+    finally:
+        # Skip the parent's atexit handlers and destructors (Jupyter's, the
+        # open files and sockets): this process is a fork and owns none of them.
+        os._exit(0)
+
+
+# --------------------------------------------------------------------------- #
+# In the parent
+# --------------------------------------------------------------------------- #
+@dataclass
+class _Rank:
+    rank: int
+    pid: int
+    fds: dict[int, str]                       # fd -> "out" | "err" | "res" | "stack"
+    partial: dict[str, bytes] = field(default_factory=lambda: {"out": b"", "err": b""})
+    # bytearray, not bytes: appending to bytes copies everything so far, which made a
+    # 64 MB result take the square of its size to arrive.
+    result: bytearray = field(default_factory=bytearray)
+    stack: bytearray = field(default_factory=bytearray)
+    message: tuple | None = None
+    reaped: bool = False
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple, kwargs: dict, *, backend: str,
+              store_path: str, timeout: float, threads: int) -> list[Any]:
+    """Fork ``world_size`` ranks running ``fn``; return their results by rank; leave none running."""
+    ranks: list[_Rank] = []
+    sel = selectors.DefaultSelector()
+    try:
+        for rank in range(world_size):
+            pipes = [os.pipe() for _ in range(4)]
+            # SIGINT stays blocked across fork, so a Ctrl-C cannot raise inside the child
+            # before _child has taken charge of it (and unwind into this function there).
+            mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+            pid = os.fork()
+            if pid == 0:  # child
+                for r in ranks:
+                    for fd in r.fds:
+                        os.close(fd)
+                for read_end, _ in pipes:
+                    os.close(read_end)
+                _child(fn, args, kwargs, rank, world_size, backend, store_path, timeout, threads,
+                       [w for _, w in pipes])
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+            for _, write_end in pipes:
+                os.close(write_end)
+            info = _Rank(rank, pid, {pipes[0][0]: "out", pipes[1][0]: "err", pipes[2][0]: "res",
+                                     pipes[3][0]: "stack"})
+            ranks.append(info)
+            for fd, kind in info.fds.items():
+                sel.register(fd, selectors.EVENT_READ, (info, kind))
+        return _collect(ranks, sel, timeout)
+    finally:
+        _kill_all(ranks)
+        _drain(sel)
+        sel.close()
+        for r in ranks:
+            for fd in r.fds:
+                os.close(fd)
+
+
+def _kill_all(ranks: list[_Rank]) -> None:
+    # killpg also ends anything a rank started itself (its group is its own).
+    for r in ranks:
+        try:
+            os.killpg(r.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            if not r.reaped:
+                try:
+                    os.kill(r.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+    for r in ranks:
+        if not r.reaped:
+            try:
+                os.waitpid(r.pid, 0)
+            except ChildProcessError:
+                pass
+            r.reaped = True
+
+
+def _emit(rank: int, stream: str, text: str) -> None:
+    target = sys.stdout if stream == "out" else sys.stderr
+    target.write(f"[rank {rank}] {text}\n")
+
+
+def _collect(ranks: list[_Rank], sel: selectors.BaseSelector, timeout: float) -> list[Any]:
+    deadline = time.monotonic() + timeout
+    running = set(range(len(ranks)))
+    while running:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            stuck = sorted(running)
+            raise LaunchTimeout(timeout, stuck, _stacks([ranks[r] for r in stuck], sel))
+        for key, _ in sel.select(timeout=min(remaining, 1.0)):
+            info, kind = key.data
+            got_data = _read(key, sel)
+            if kind != "res" or info.rank not in running:
+                continue
+            if _message_complete(info):
+                running.discard(info.rank)
+                _finish(info)
+            elif not got_data:
+                _died(info)  # result pipe closed before a whole message arrived
+    return [r.message[1] for r in ranks]
+
+
+def _read(key: selectors.SelectorKey, sel: selectors.BaseSelector) -> bool:
+    """Read what one pipe has; print whole output lines. False at end of file."""
+    info, kind = key.data
+    chunk = os.read(key.fd, READ_CHUNK)
+    if not chunk:
+        sel.unregister(key.fd)
+        if info.partial.get(kind):
+            _emit(info.rank, kind, info.partial[kind].decode(errors="replace"))
+            info.partial[kind] = b""
+        return False
+    if kind == "res":
+        info.result += chunk
+    elif kind == "stack":
+        info.stack += chunk
+    else:
+        *lines, info.partial[kind] = (info.partial[kind] + chunk).split(b"\n")
+        for line in lines:
+            _emit(info.rank, kind, line.decode(errors="replace"))
+    return True
+
+
+def _stacks(stuck: list[_Rank], sel: selectors.BaseSelector) -> dict[int, str]:
+    """Ask each stuck rank for its Python stack (faulthandler), innermost call first."""
+    for r in stuck:
+        try:
+            os.kill(r.pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            pass
+    end = time.monotonic() + 0.5
+    while time.monotonic() < end and not all(r.stack.count(b"\n") >= 2 for r in stuck):
+        for key, _ in sel.select(timeout=0.05):
+            _read(key, sel)
+    return {r.rank: r.stack.decode(errors="replace") for r in stuck}
+
+
+def _drain(sel: selectors.BaseSelector, seconds: float = 1.0) -> None:
+    """After the ranks are killed, print whatever output is still in the pipes."""
+    end = time.monotonic() + seconds
+    while sel.get_map() and time.monotonic() < end:
+        for key, _ in sel.select(timeout=max(0.0, end - time.monotonic())):
+            _read(key, sel)
+
+
+def _message_complete(info: _Rank) -> bool:
+    return len(info.result) >= 8 and len(info.result) >= 8 + int.from_bytes(info.result[:8], "little")
+
+
+def _died(info: _Rank) -> None:
+    _, status = os.waitpid(info.pid, 0)
+    info.reaped = True
+    code = os.waitstatus_to_exitcode(status)
+    how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+    if code == SETUP_FAILED:
+        how += " while setting itself up (before running fn)"
+    raise LaunchError(f"rank {info.rank} {how} before sending a result (out of memory, a crash in "
+                      "C++ code, or os._exit/sys.exit inside fn).")
+
+
+def _finish(info: _Rank) -> None:
+    """Turn a finished rank's result bytes into a value, or raise its error."""
+    kind, payload = pickle.loads(memoryview(info.result)[8:])
+    info.result = bytearray()                 # the value now lives in info.message alone
+    if kind == "error":
+        raise RankError(info.rank, payload)
+    if kind == "unpicklable":
+        raise LaunchError(f"rank {info.rank} returned a value that cannot be sent back to the notebook "
+                          f"({payload}). Return plain data: numbers, lists, dicts, numpy arrays or CPU "
+                          "tensors (call .cpu() / .detach()), not modules, generators or open handles.")
+    info.message = (kind, payload)

@@ -1,0 +1,315 @@
+"""dtcourse.launch: results, output, failures, hangs, bad input, and no processes left behind."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import dtcourse
+from dtcourse import LaunchError, LaunchTimeout, RankError, launch
+from dtcourse.runtime import processes
+from dtcourse.runtime.device import choose_backend, gpu_count
+
+
+def _children() -> list[int]:
+    """PIDs of live (non-zombie) processes whose parent is this test process."""
+    me, found = os.getpid(), []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == me and fields[0] != "Z":
+            found.append(int(pid))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.fixture(autouse=True)
+def no_leftovers():
+    assert _children() == [], "a process was left over before this test"
+    yield
+    assert _children() == [], "launch left a child process behind"
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5])
+def test_results_come_back_in_rank_order(world_size):
+    def fn(offset):
+        t = torch.tensor([float(dist.get_rank())])
+        dist.all_reduce(t)
+        return dist.get_rank(), dist.get_world_size(), t.item() + offset
+
+    got = launch(fn, world_size, 0.5)
+    total = sum(range(world_size)) + 0.5
+    assert got == [(r, world_size, total) for r in range(world_size)]
+
+
+def test_closures_kwargs_and_torchrun_variables():
+    captured = {"scale": 3}  # a local closure: mp.spawn could not pickle this
+
+    def fn(a, *, b):
+        env = {k: os.environ[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+        return a * captured["scale"] + b, env, torch.get_num_threads()
+
+    got = launch(fn, 2, 2, b=1)
+    assert [g[0] for g in got] == [7, 7]
+    assert [g[1] for g in got] == [{"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2"} for r in range(2)]
+    assert [g[2] for g in got] == [1, 1]  # one intra-op thread per rank by default
+
+
+def test_output_is_prefixed_by_rank(capsys):
+    def fn():
+        print(f"hello from {dist.get_rank()}")
+        print("no newline at the end", end="")
+        print("to stderr", file=sys.stderr)
+
+    launch(fn, 3)
+    out, err = capsys.readouterr()
+    for r in range(3):
+        assert f"[rank {r}] hello from {r}\n" in out
+        assert f"[rank {r}] no newline at the end\n" in out
+        assert f"[rank {r}] to stderr\n" in err
+
+
+def test_gloo_listens_only_on_loopback():
+    def listening_addresses():
+        inodes = set()
+        for fd in os.listdir("/proc/self/fd"):
+            link = os.readlink(f"/proc/self/fd/{fd}") if os.path.islink(f"/proc/self/fd/{fd}") else ""
+            if link.startswith("socket:["):
+                inodes.add(link[8:-1])
+        addresses = []
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            with open(table) as f:
+                for row in f.readlines()[1:]:
+                    cols = row.split()
+                    if cols[9] in inodes and cols[3] == "0A":  # 0A == LISTEN
+                        addresses.append(cols[1].split(":")[0])
+        return addresses
+
+    for addresses in launch(listening_addresses, 2):
+        assert addresses, "expected gloo to listen on a socket"
+        assert set(addresses) <= {"0100007F"}, f"gloo listened on {addresses}, not only 127.0.0.1"
+
+
+def test_a_rank_that_raises_is_reported_with_its_traceback():
+    def fn():
+        if dist.get_rank() == 2:
+            raise ValueError("bad shard 42")
+        dist.barrier()  # the others wait here until launch ends them
+
+    start = time.monotonic()
+    with pytest.raises(RankError) as info:
+        launch(fn, 3, timeout=30)
+    assert time.monotonic() - start < 10, "an error should end the launch at once, not at the timeout"
+    assert info.value.rank == 2
+    assert "ValueError: bad shard 42" in str(info.value)
+    assert "in fn" in info.value.remote_traceback
+
+
+def test_a_hang_raises_timeout_naming_the_stuck_ranks_and_where_they_were():
+    def fn():
+        if dist.get_rank() != 0:  # rank 0 skips the collective
+            dist.barrier()
+        return "done"
+
+    start = time.monotonic()
+    with pytest.raises(TimeoutError) as info:
+        launch(fn, 3, timeout=2)
+    elapsed = time.monotonic() - start
+    assert 2 <= elapsed < 8
+    error = info.value
+    assert isinstance(error, LaunchTimeout) and error.timeout == 2
+    assert error.stuck == [1, 2]                      # read as data, not parsed from the message
+    assert sorted(error.stacks) == [1, 2]
+    for rank in (1, 2):
+        assert "in barrier" in processes.frames(error.stacks[rank])[0]   # innermost frame first
+    message = str(error)
+    assert "rank(s) [1, 2] still running" in message
+    assert "rank 1 was at" in message and "in barrier" in message
+    # the kernel (here: this process) stays usable for the next launch
+    assert launch(lambda: dist.get_rank(), 2) == [0, 1]
+
+
+def test_processes_a_rank_started_are_ended_too():
+    def fn():
+        return subprocess.Popen(["sleep", "60"]).pid
+
+    pids = launch(fn, 2)
+    deadline = time.monotonic() + 5
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(p) for p in pids), "a grandchild process outlived the launch"
+
+
+def test_keyboard_interrupt_ends_every_rank():
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 1.0)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            launch(lambda: time.sleep(30), 3, timeout=60)
+    finally:
+        signal.signal(signal.SIGALRM, old)
+
+
+def test_a_rank_that_dies_is_reported():
+    def fn():
+        if dist.get_rank() == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(30)
+
+    with pytest.raises(LaunchError, match="rank 1 was killed by signal 9"):
+        launch(fn, 2, timeout=20)
+
+
+@pytest.mark.parametrize("timeout", [0, -1, float("nan"), float("inf"), "10", None, True])
+def test_bad_timeout_says_what_to_pass(timeout):
+    with pytest.raises(ValueError, match=r"timeout must be a positive number of seconds.*got"):
+        launch(lambda: None, 2, timeout=timeout)
+
+
+@pytest.mark.parametrize("threads", [-1, 1.5, "2"])
+def test_bad_threads(threads):
+    with pytest.raises(ValueError, match="threads must be an integer >= 0"):
+        launch(lambda: None, 2, threads=threads)
+
+
+def test_large_results_come_back_at_pipe_speed():
+    """A 64 MB tensor per rank (128 MB in all) used to take longer than 20 s, quadratic in its size."""
+    start = time.monotonic()
+    results = launch(lambda: torch.full((16 * 2**20,), float(dist.get_rank())), 2, timeout=20)
+    elapsed = time.monotonic() - start
+    assert [r.shape for r in results] == [(16 * 2**20,)] * 2
+    assert [r[0].item() for r in results] == [0.0, 1.0] and results[1][-1].item() == 1.0
+    assert elapsed < 15, f"two 64 MB results took {elapsed:.1f} s"     # ~1 s measured; the old code, > 20 s
+
+
+def test_an_error_in_a_rank_set_up_never_runs_the_parent_code(tmp_path, monkeypatch):
+    """A child that fails before reaching fn (here: Ctrl-C during set-up) ends with os._exit.
+
+    Without that, the exception would unwind through launch's own frames inside the forked
+    child: its finally blocks would kill the other ranks and it would go on running the caller.
+    """
+    parent = os.getpid()
+
+    def interrupted_set_up():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(processes, "_set_parent_death_signal", interrupted_set_up)
+    try:
+        with pytest.raises(LaunchError, match=r"rank \d exited with code 70 while setting itself up"):
+            launch(lambda: "never runs", 2, timeout=20)
+    finally:
+        if os.getpid() != parent:                     # only a child that unwound gets here
+            (tmp_path / f"leaked-{os.getpid()}").write_text("the child ran the caller's code")
+            os._exit(1)
+    assert list(tmp_path.iterdir()) == []
+    assert _children() == []
+
+
+def test_device_is_the_cpu_under_gloo():
+    assert launch(lambda: str(dtcourse.device()), 2, backend="gloo") == ["cpu", "cpu"]
+    assert str(dtcourse.device()) == "cpu"           # outside a process group too
+
+
+@pytest.mark.parametrize("world_size", [0, -1, 2.0, True, "4"])
+def test_bad_world_size(world_size):
+    with pytest.raises(ValueError, match="world_size must be an integer >= 1"):
+        launch(lambda: None, world_size)
+
+
+def test_fn_must_be_callable():
+    with pytest.raises(TypeError, match="fn must be a function"):
+        launch(42, 2)
+
+
+def test_unpicklable_return_value():
+    with pytest.raises(LaunchError, match="cannot be sent back.*Return plain data"):
+        launch(lambda: (i for i in range(3)), 2)
+
+
+def test_nccl_without_enough_gpus():
+    gpus = gpu_count()
+    with pytest.raises(LaunchError, match=f"needs one GPU per rank.*has {gpus} GPU.*backend='gloo'"):
+        launch(lambda: None, gpus + 1, backend="nccl")
+
+
+def test_unknown_backend():
+    with pytest.raises(ValueError, match=r"backend must be one of \('auto', 'gloo', 'nccl'\), got 'mpi'"):
+        launch(lambda: None, 2, backend="mpi")
+
+
+def test_cuda_initialized_before_fork_says_how_to_fix(monkeypatch):
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with pytest.raises(LaunchError, match="CUDA is already initialised.*Restart the kernel"):
+        launch(lambda: None, 2, backend="gloo")
+
+
+def test_auto_backend_counts_gpus_without_initialising_cuda(monkeypatch):
+    """"auto" asks NVML (torch.cuda.device_count); it must never call torch.cuda.is_available()."""
+    def poisoned():
+        raise AssertionError("torch.cuda.is_available() initialises CUDA in the parent")
+    monkeypatch.setattr(torch.cuda, "is_available", poisoned)
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert choose_backend(4) == "nccl" and choose_backend(5) == "gloo"   # one GPU per rank, or CPU
+    assert choose_backend(4, "gloo") == "gloo"
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert choose_backend(1) == "gloo"
+    assert os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] == "1"   # a notebook's own is_available() asks NVML too
+
+
+def test_init_from_env_without_torchrun_says_what_to_do(monkeypatch):
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    with pytest.raises(LaunchError, match="torchrun --nproc-per-node"):
+        dtcourse.init_from_env()
+
+
+def test_the_same_function_runs_under_launch_and_torchrun(tmp_path):
+    script = tmp_path / "spmd.py"
+    script.write_text(textwrap.dedent("""
+        import torch, torch.distributed as dist
+        import dtcourse
+
+        def total_of_ranks():
+            rank, world = dtcourse.init_from_env()
+            t = torch.tensor([float(rank)])
+            dist.all_reduce(t)
+            return t.item()
+
+        if __name__ == "__main__":
+            print(f"total {total_of_ranks()};", flush=True)
+            dist.destroy_process_group()
+    """))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", str(script)],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.count("total 3.0;") == 3  # ranks share stdout, so lines may interleave
+
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import spmd
+        assert launch(spmd.total_of_ranks, 3) == [3.0, 3.0, 3.0]
+    finally:
+        sys.path.remove(str(tmp_path))
