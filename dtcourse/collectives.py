@@ -14,8 +14,8 @@ Lesson 01 compares three algorithms that leave the same sum on every rank:
   algorithms for clusters of workstations", JPDC 2009).
 
 Call shapes follow ``torch.distributed``: the all-reduces work in place on one
-tensor; ``ring_reduce_scatter(output, input)`` and ``ring_all_gather(output,
-input)`` follow ``reduce_scatter_tensor`` and ``all_gather_into_tensor``. Pass a
+tensor; ``ring_reduce_scatter(output, input_tensor)`` and ``ring_all_gather(output,
+input_tensor)`` follow ``reduce_scatter_tensor`` and ``all_gather_into_tensor``. Pass a
 ``ByteCounter`` to see every message a rank sent::
 
     counter = ByteCounter()
@@ -194,36 +194,36 @@ def _ring_all_gather_inplace(chunks: list[torch.Tensor], rank: int, world: int, 
                   "all-gather", first_step + step)
 
 
-def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM, group=None,
+def ring_reduce_scatter(output: torch.Tensor, input_tensor: torch.Tensor, op=ReduceOp.SUM, group=None,
                         counter: ByteCounter | None = None) -> None:
-    """Like ``dist.reduce_scatter_tensor``: ``input`` has N·k elements; rank r gets reduced chunk r."""
+    """Like ``dist.reduce_scatter_tensor``: ``input_tensor`` has N·k elements; rank r gets reduced chunk r."""
     _check_op(op)
     rank, world = _context(group)
-    if input.numel() != world * output.numel():
-        raise ValueError(f"ring_reduce_scatter: input has {input.numel()} elements but must have world_size "
+    if input_tensor.numel() != world * output.numel():
+        raise ValueError(f"ring_reduce_scatter: input has {input_tensor.numel()} elements but must have world_size "
                          f"({world}) x output.numel() ({output.numel()}) = {world * output.numel()}. "
                          "Pad the input or use ring_all_reduce, which accepts any length.")
-    if input.dtype != output.dtype:
-        raise TypeError(f"ring_reduce_scatter: output dtype {output.dtype} != input dtype {input.dtype}")
-    work = input.detach().reshape(-1).clone()           # (N*k,) the input is left untouched
+    if input_tensor.dtype != output.dtype:
+        raise TypeError(f"ring_reduce_scatter: output dtype {output.dtype} != input dtype {input_tensor.dtype}")
+    work = input_tensor.detach().reshape(-1).clone()           # (N*k,) the input is left untouched
     chunks = list(work.chunk(world)) if world > 1 else [work]
     _ring_reduce_scatter_inplace(chunks, rank, world, group, counter)
     _finish(chunks[rank], op, world)
     output.copy_(chunks[rank].view_as(output))
 
 
-def ring_all_gather(output: torch.Tensor, input: torch.Tensor, group=None,
+def ring_all_gather(output: torch.Tensor, input_tensor: torch.Tensor, group=None,
                     counter: ByteCounter | None = None) -> None:
-    """Like ``dist.all_gather_into_tensor``: ``output`` (N·k elements) gets every rank's ``input``."""
+    """Like ``dist.all_gather_into_tensor``: ``output`` (N·k elements) gets every rank's ``input_tensor``."""
     rank, world = _context(group)
-    if output.numel() != world * input.numel():
+    if output.numel() != world * input_tensor.numel():
         raise ValueError(f"ring_all_gather: output has {output.numel()} elements but must have world_size "
-                         f"({world}) x input.numel() ({input.numel()}) = {world * input.numel()}.")
-    if input.dtype != output.dtype:
-        raise TypeError(f"ring_all_gather: output dtype {output.dtype} != input dtype {input.dtype}")
+                         f"({world}) x input.numel() ({input_tensor.numel()}) = {world * input_tensor.numel()}.")
+    if input_tensor.dtype != output.dtype:
+        raise TypeError(f"ring_all_gather: output dtype {output.dtype} != input dtype {input_tensor.dtype}")
     flat = output.view(-1)                               # (N*k,) needs a contiguous output
     chunks = list(flat.chunk(world)) if world > 1 else [flat]
-    chunks[rank].copy_(input.reshape(-1))
+    chunks[rank].copy_(input_tensor.reshape(-1))
     _ring_all_gather_inplace(chunks, rank, world, group, counter)
 
 

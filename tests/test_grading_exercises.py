@@ -196,7 +196,7 @@ def test_solution_region_inside_other_code_keeps_the_rest():
     cells = cells_by_id(generate(edge_cases(), NAME))
     assert cells["mixed"]["source"] == (
         "import math\n\ndef f(x):\n    y = 1\n    # YOUR CODE HERE\n"
-        '    raise NotImplementedError("Exercise 01: ring collectives")\n\nZ = 3')
+        '    raise NotImplementedError("Exercise 01: collectives ring")\n\nZ = 3')
     assert cells["whole"]["source"] == exercises.code_stub(NAME)
     assert cells["mixed"]["metadata"]["deletable"] is False and "editable" not in cells["mixed"]["metadata"]
 

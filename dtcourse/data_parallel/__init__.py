@@ -1,7 +1,8 @@
 """Data parallelism (lesson 02): DistributedDataParallel in three steps, and which samples each rank reads.
 
 * ``ddp.py``: ``DistributedDataParallel(module, bucket_cap_mb=25, overlap=True, group=None)`` with
-  its three strategies (per-parameter, bucketed, overlapped) and ``assign_buckets``.
+  its three strategies (per-parameter, bucketed, overlapped).
+* ``buckets.py``: ``assign_buckets``, which gradients share one all-reduce.
 * ``sampling.py``: ``DistributedSampler``'s rule rebuilt (``shard_indices``), beside torch's own.
 
 Example::
@@ -11,6 +12,7 @@ Example::
     F.mse_loss(ddp(x), y).backward()      # each p.grad is now the mean over ranks
 """
 
-from dtcourse.data_parallel.ddp import COMMS, STRATEGIES, DistributedDataParallel, assign_buckets
+from dtcourse.data_parallel.buckets import assign_buckets
+from dtcourse.data_parallel.ddp import COMMS, STRATEGIES, DistributedDataParallel
 
 __all__ = ["DistributedDataParallel", "assign_buckets", "STRATEGIES", "COMMS"]

@@ -37,7 +37,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
@@ -46,6 +45,7 @@ import torch.nn as nn
 from torch.distributed import ReduceOp
 
 from dtcourse.collectives import ring_all_reduce
+from dtcourse.data_parallel.buckets import Bucket, assign_buckets
 
 __all__ = ["DistributedDataParallel", "assign_buckets", "STRATEGIES", "COMMS"]
 
@@ -53,46 +53,6 @@ STRATEGIES = ("per_parameter", "bucketed", "overlapped")
 COMMS = ("backend", "ring")
 EventHook = Callable[[str, str, float, float], None]
 _MARK = "_dtcourse_ddp_wrapped"   # set on a wrapped module, so wrapping it twice is caught
-
-
-def assign_buckets(params: list[torch.Tensor], cap_bytes: int) -> list[list[int]]:
-    """Group the indices of ``params`` into buckets, walking them in reverse registration order.
-
-    A bucket is closed as soon as it holds ``cap_bytes`` or more (torch's rule,
-    so a bucket overshoots the cap by at most one parameter); a change of dtype
-    or device also starts a new bucket, since a bucket is one flat tensor.
-    torch also gives its first bucket a smaller cap (1 MiB) and, after the first
-    iteration, re-buckets by the order gradients really arrived: both left out.
-    """
-    buckets, current, size = [], [], 0
-    for i in reversed(range(len(params))):
-        p = params[i]
-        if current and (p.dtype, p.device) != (params[current[0]].dtype, params[current[0]].device):
-            buckets.append(current)
-            current, size = [], 0
-        current.append(i)
-        size += p.numel() * p.element_size()
-        if size >= cap_bytes:
-            buckets.append(current)
-            current, size = [], 0
-    if current:
-        buckets.append(current)
-    return buckets
-
-
-@dataclass
-class _Bucket:
-    """Parameters whose gradients travel in one all-reduce, and that all-reduce's state."""
-
-    index: int
-    param_ids: list[int]                  # positions in the wrapper's list of trainable parameters
-    params: list[nn.Parameter]
-    spans: list[tuple[int, int]]          # [lo, hi) of each gradient inside the flat tensor
-    flat: torch.Tensor | None             # (sum of numels,) reused every step; None for per_parameter
-    pending: int = 0                      # gradients not yet accumulated in this backward
-    tensor: torch.Tensor | None = None    # what is being all-reduced: flat, or p.grad itself
-    work: Any = None                      # async handle from dist.all_reduce, or None once done
-    launched_at: float = 0.0
 
 
 class DistributedDataParallel(nn.Module):
@@ -147,7 +107,7 @@ class DistributedDataParallel(nn.Module):
         """Parameter names per bucket, in the order the buckets are all-reduced."""
         return [[self._names[i] for i in b.param_ids] for b in self._buckets]
 
-    def _make_buckets(self, named: list[tuple[str, nn.Parameter]], cap_bytes: int) -> list[_Bucket]:
+    def _make_buckets(self, named: list[tuple[str, nn.Parameter]], cap_bytes: int) -> list[Bucket]:
         if self.strategy == "per_parameter":
             groups = [[i] for i in reversed(range(len(named)))]
         else:
@@ -161,7 +121,7 @@ class DistributedDataParallel(nn.Module):
                 lo += p.numel()
             # One flat buffer per bucket for the whole run: as many bytes again as the gradients.
             flat = None if self.strategy == "per_parameter" else params[0].new_zeros(lo)   # (numel,)
-            buckets.append(_Bucket(k, ids, params, spans, flat))
+            buckets.append(Bucket(k, ids, params, spans, flat))
         return buckets
 
     @contextlib.contextmanager
@@ -215,7 +175,7 @@ class DistributedDataParallel(nn.Module):
             self._launch(self._buckets[self._next])
             self._next += 1
 
-    def _launch(self, bucket: _Bucket) -> None:
+    def _launch(self, bucket: Bucket) -> None:
         bucket.launched_at = time.perf_counter()
         with torch.no_grad():
             if bucket.flat is None:              # per_parameter: reduce the gradient itself
@@ -272,7 +232,7 @@ class DistributedDataParallel(nn.Module):
         self._all_reduce_sum(counts, async_op=False)
         return [c > 0 for c in counts.tolist()]
 
-    def _complete(self, bucket: _Bucket, used: list[bool] | None) -> None:
+    def _complete(self, bucket: Bucket, used: list[bool] | None) -> None:
         if bucket.work is not None:
             start = time.perf_counter()
             bucket.work.wait()

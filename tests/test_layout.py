@@ -1,0 +1,151 @@
+"""The course's shape: one stem per technique, used in every place, and algorithms kept apart from drawing.
+
+A stem names a lesson (``lessons/NN_<stem>.ipynb``), its algorithm (``dtcourse/<stem>.py`` or
+``dtcourse/<stem>/``), what the lesson runs and draws (``dtcourse/lab/<stem>.py``), its exercise
+checks (``dtcourse/checks/<stem>.py``), its benchmark (``dtcourse/bench/<stem>.py``) and its tests
+(``tests/test_<stem>.py``). These tests read files and import statements only; they start no rank.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "dtcourse"
+
+# In syllabus order; lessons not written yet keep their place in the list.
+STEMS = ("memory", "collectives", "data_parallel", "parameter_server", "mixed_precision", "checkpointing",
+         "zero", "offload", "pipeline", "tensor_parallel", "parallel_3d", "moe", "fault_tolerance")
+# What may stand at the top of dtcourse/ besides the stems' algorithms: shared pieces and the
+# sub-packages. Anything else is a module that belongs inside one of these.
+SHARED = {"__init__", "models", "mesh", "parity", "cli",
+          "exercises", "grade"}          # the last two only keep `python -m dtcourse.exercises / .grade` working
+SUBPACKAGES = {"runtime", "lab", "checks", "bench", "grading"}
+# Benchmarks of the infrastructure rather than of a technique.
+BENCH_EXTRAS = {"launch"}
+# Modules allowed past 350 lines, each with the reason it stays whole.
+LONG_MODULES = {
+    "dtcourse/lab/mixed_precision.py": "lesson 04 measures four things (number formats, gradients against "
+                                       "fp16's range, lost updates, the four training recipes); each part is "
+                                       "under 100 lines, and a folder would scatter one lesson's companion",
+    "dtcourse/checks/data_parallel.py": "exercise 02's three graded checks (buckets, parity, overlap) share one "
+                                        "set of cases and helpers; splitting them would split the exercise",
+    "dtcourse/lab/checkpointing.py": "lesson 05's two measurements (segment sweep, recomputation policies) "
+                                     "and the three figures drawn from them, each beside its prediction",
+}
+DRAWING = ("matplotlib", "ipywidgets", "dtcourse.lab", "dtcourse.bench")
+
+
+def _lessons() -> dict[str, str]:
+    """stem -> lesson number, from lessons/NN_<stem>.ipynb."""
+    found = {}
+    for path in sorted(ROOT.glob("lessons/*.ipynb")):
+        number, _, stem = path.stem.partition("_")
+        assert number.isdigit() and stem in STEMS, f"{path.name}: expected NN_<stem>.ipynb with a stem in {STEMS}"
+        found[stem] = number
+    return found
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module ``path`` imports, at top level or inside a function."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+            names |= {f"{node.module}.{alias.name}" for alias in node.names}
+    return names
+
+
+def _algorithm_modules() -> list[Path]:
+    """The algorithms and what they are built on: everything but lab/, bench/, checks/, grading/, cli."""
+    skip = {"lab", "bench", "checks", "grading"}
+    return sorted(p for p in PACKAGE.rglob("*.py")
+                  if p.relative_to(PACKAGE).parts[0] not in skip and p.name != "cli.py")
+
+
+def _code_cells(path: Path) -> str:
+    return "\n".join("".join(c["source"]) for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code")
+
+
+def test_the_lessons_follow_the_syllabus_order_of_stems():
+    stems = list(_lessons())
+    assert stems, "no lessons found"
+    assert stems == list(STEMS[:len(stems)]), f"lessons {stems} should be the first stems of {STEMS}"
+
+
+@pytest.mark.parametrize("stem", list(_lessons()))
+def test_every_lesson_has_its_algorithm_lab_and_tests(stem):
+    assert (PACKAGE / f"{stem}.py").exists() != (PACKAGE / stem / "__init__.py").exists(), \
+        f"lesson {stem}: expected exactly one of dtcourse/{stem}.py and dtcourse/{stem}/"
+    lesson = ROOT / "lessons" / f"{_lessons()[stem]}_{stem}.ipynb"
+    if "matplotlib" in _code_cells(lesson) or "dtcourse.lab" in _code_cells(lesson):   # it draws
+        assert (PACKAGE / "lab" / f"{stem}.py").exists(), f"lesson {stem} draws: expected dtcourse/lab/{stem}.py"
+    assert (ROOT / "tests" / f"test_{stem}.py").exists(), f"expected tests/test_{stem}.py"
+
+
+def test_every_exercise_is_named_after_its_lesson_and_has_its_checks():
+    lessons = _lessons()
+    solutions = sorted(ROOT.glob("solutions/*.ipynb"))
+    assert solutions
+    for path in solutions:
+        found = re.fullmatch(r"(\d\d)_([a-z0-9_]+)", path.stem)
+        assert found, f"{path.name}: expected NN_<stem>_<task>.ipynb"
+        stem = next((s for s in STEMS if found[2].startswith(s + "_")), None)
+        assert stem and lessons.get(stem) == found[1], \
+            f"{path.name}: expected lesson {found[1]}'s stem, then _<task>"
+        assert (PACKAGE / "checks" / f"{stem}.py").exists(), f"{path.name}: expected dtcourse/checks/{stem}.py"
+        assert (ROOT / "exercises" / path.name).exists(), f"{path.name}: no released copy in exercises/"
+
+
+def test_the_package_top_level_holds_only_stems_shared_pieces_and_subpackages():
+    modules = {p.stem for p in PACKAGE.glob("*.py")}
+    packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
+    stray = modules - SHARED - set(STEMS)
+    assert not stray, f"dtcourse/{sorted(stray)}: put each in its stem's module, lab/, runtime/ or grading/"
+    unknown = packages - SUBPACKAGES - set(STEMS)
+    assert not unknown, f"unexpected packages {sorted(unknown)}"
+    for old in ("launcher", "timeline", "figure_widget", "ring_widget", "collective_figures", "sampling",
+                "mixed_precision_figures", "checkpointing_measurements", "checkpointing_figures"):
+        assert not (PACKAGE / f"{old}.py").exists(), f"dtcourse/{old}.py is an old flat name"
+
+
+def test_lab_checks_and_bench_modules_are_named_by_stems():
+    assert {p.stem for p in (PACKAGE / "lab").glob("*.py")} - {"__init__", "widgets", "timeline"} <= set(STEMS)
+    assert {p.stem for p in (PACKAGE / "checks").glob("*.py")} - {"__init__", "common"} <= set(STEMS)
+    assert {p.stem for p in (PACKAGE / "bench").glob("*.py")} - {"__init__"} <= set(STEMS) | BENCH_EXTRAS
+
+
+@pytest.mark.parametrize("path", _algorithm_modules(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_algorithm_modules_never_draw(path):
+    drawing = {name for name in _imports(path) if name.startswith(DRAWING)}
+    assert not drawing, f"{path.relative_to(ROOT)} imports {sorted(drawing)}: move the drawing to dtcourse/lab/"
+
+
+def test_the_runtime_depends_on_no_technique():
+    for path in (PACKAGE / "runtime").glob("*.py"):
+        ours = {n for n in _imports(path) if n.startswith("dtcourse.") and not n.startswith("dtcourse.runtime")}
+        assert not ours, f"{path.relative_to(ROOT)} imports {sorted(ours)}: the runtime must not know any technique"
+
+
+@pytest.mark.parametrize("path", sorted(ROOT.glob("lessons/*.ipynb")), ids=lambda p: p.name)
+def test_lessons_never_import_benchmarks(path):
+    code = _code_cells(path)
+    assert not re.search(r"(from|import)\s+dtcourse\.bench|from\s+dtcourse\s+import\s+bench", code), \
+        f"{path.name} imports dtcourse.bench; lessons import dtcourse.lab"
+
+
+def test_long_modules_are_listed_with_a_reason():
+    long = {str(p.relative_to(ROOT)): n for p in PACKAGE.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 350}
+    unlisted = sorted(set(long) - set(LONG_MODULES))
+    assert not unlisted, f"over 350 lines: {[(m, long[m]) for m in unlisted]}; split by concept or list with a reason"
+    stale = sorted(set(LONG_MODULES) - set(long))
+    assert not stale, f"no longer over 350 lines, remove from LONG_MODULES: {stale}"
+    assert all(len(reason) > 30 for reason in LONG_MODULES.values())
