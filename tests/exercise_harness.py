@@ -34,17 +34,17 @@ class Expected:
 
 EXPECTED = {
     "01_collectives_ring": Expected(
-        "Exercise 01: ring collectives", 14, 7,
+        "Exercise 01: collectives ring", 14, 7,
         frozenset({"check_reduce_scatter_hidden", "check_all_gather_hidden", "check_all_reduce_hidden"})),
     "02_data_parallel_buckets": Expected(
-        "Exercise 02: ddp buckets", 12, 5, frozenset({"check_buckets_hidden", "check_parity_hidden"})),
+        "Exercise 02: data parallel buckets", 12, 5, frozenset({"check_buckets_hidden", "check_parity_hidden"})),
     "03_parameter_server_staleness": Expected(
-        "Exercise 03: async server", 12, 8,
+        "Exercise 03: parameter server staleness", 12, 8,
         frozenset({"check_once_hidden", "check_bound_hidden", "check_parity_hidden", "check_hang_hidden"})),
     "04_mixed_precision_loss_scaler": Expected(
-        "Exercise 04: loss scaler", 10, 5, frozenset({"check_streams_hidden", "check_edges_hidden"})),
+        "Exercise 04: mixed precision loss scaler", 10, 5, frozenset({"check_streams_hidden", "check_edges_hidden"})),
     "05_checkpointing_sequential": Expected(
-        "Exercise 05: checkpointed sequential", 12, 5,
+        "Exercise 05: checkpointing sequential", 12, 5,
         frozenset({"check_segments_hidden", "check_gradients_hidden"})),
 }
 

@@ -313,3 +313,24 @@ def test_the_same_function_runs_under_launch_and_torchrun(tmp_path):
         assert launch(spmd.total_of_ranks, 3) == [3.0, 3.0, 3.0]
     finally:
         sys.path.remove(str(tmp_path))
+
+
+def test_results_keep_every_tensor_exactly_through_the_out_of_band_encoding():
+    """Tensors travel as raw bytes beside the pickle: every dtype, shape, view and flag must survive."""
+    base = torch.arange(24, dtype=torch.float64).reshape(4, 6)
+    values = {"float": torch.randn(3, 5), "bf16": torch.randn(7).to(torch.bfloat16), "bool": torch.tensor([True, False]),
+              "int": torch.arange(-3, 4), "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 3),
+              "transposed": base.t(), "slice": base[1:3, ::2], "grad": torch.ones(2, requires_grad=True),
+              "parameter": torch.nn.Parameter(torch.full((2,), 3.0)), "nested": [(torch.ones(1), "text", 7)],
+              "complex": torch.tensor([1 + 2j])}
+    message = bytearray(b"".join(bytes(part) for part in processes.encode(values)))
+    back = processes.decode(message)
+    assert back.keys() == values.keys()
+    for name, value in values.items():
+        got = back[name][0][0] if name == "nested" else back[name]
+        want = value[0][0] if name == "nested" else value
+        assert type(got) is type(want) and got.dtype == want.dtype and got.shape == want.shape, name
+        assert torch.equal(got.detach(), want.detach()) and got.requires_grad == want.requires_grad, name
+    assert back["nested"][0][1:] == ("text", 7)
+    # a view ships only its own elements, not the whole storage it looks into
+    assert len(processes.encode(base[0, :2])[2]) == 2 * 8

@@ -2,8 +2,14 @@
 
 Each rank is a forked child with four pipes to the parent: stdout, stderr, a result pipe and a
 stack pipe. The parent multiplexes them with ``selectors``: it prints each output line prefixed
-``[rank r]``, collects one length-prefixed pickled message per rank from the result pipes, and on
-a timeout asks each stuck rank for its Python stack (faulthandler on SIGUSR1).
+``[rank r]``, collects one result message per rank from the result pipes, and on a timeout asks
+each stuck rank for its Python stack (faulthandler on SIGUSR1).
+
+A result message is a pickle (protocol 5) whose CPU tensors travel out of band: the pickle holds
+only their dtype and shape, and their bytes follow it raw, written straight from the tensor's
+memory and read straight into one buffer allocated to the message's size, which the returned
+tensors then share. So a 256 MB result is copied once on each side of the pipe, not re-encoded
+by ``torch.save`` and copied again on every append as plain pickling would.
 
 Each child runs in its own process group (``setpgid``), asks the kernel to kill it if the parent
 dies (``PR_SET_PDEATHSIG``), and is killed with its whole group when the launch ends, on success,
@@ -87,12 +93,55 @@ def _set_parent_death_signal() -> None:
             pass
 
 
-def _send(fd: int, payload: bytes) -> None:
-    """Write one length-prefixed pickled message to the parent."""
-    os.write(fd, len(payload).to_bytes(8, "little"))
-    view = memoryview(payload)
-    while view:
-        view = view[os.write(fd, view):]
+def _tensor_from_bytes(data: pickle.PickleBuffer | memoryview, dtype: torch.dtype, shape: tuple,
+                       requires_grad: bool) -> torch.Tensor:
+    raw = memoryview(data).cast("B")
+    t = torch.frombuffer(raw, dtype=torch.uint8) if len(raw) else torch.empty(0, dtype=torch.uint8)
+    return t.view(dtype).reshape(shape).requires_grad_(requires_grad)
+
+
+def _reduce_tensor(t: torch.Tensor) -> tuple:
+    """Pickle a plain CPU tensor as its dtype, shape and one out-of-band buffer of its bytes."""
+    if t.device.type != "cpu" or t.is_sparse or t.is_quantized or t.is_nested:
+        return t.__reduce_ex__(pickle.HIGHEST_PROTOCOL)                  # torch's own way
+    flat = t.detach().contiguous().reshape(-1).view(torch.uint8)        # (numel * element_size,)
+    return _tensor_from_bytes, (pickle.PickleBuffer(flat.numpy()), t.dtype, tuple(t.shape), t.requires_grad)
+
+
+class _ResultPickler(pickle.Pickler):
+    dispatch_table = {torch.Tensor: _reduce_tensor}
+
+
+def encode(value: Any) -> list[memoryview]:
+    """A message as the parts to write: a header of lengths, the pickle, then each raw buffer."""
+    import io
+
+    buffers: list[pickle.PickleBuffer] = []
+    stream = io.BytesIO()
+    _ResultPickler(stream, protocol=5, buffer_callback=buffers.append).dump(value)
+    parts = [stream.getbuffer(), *(b.raw() for b in buffers)]
+    header = b"".join(n.to_bytes(8, "little") for n in (len(parts), *(p.nbytes for p in parts)))
+    total = 8 + len(header) + sum(p.nbytes for p in parts)
+    return [memoryview(total.to_bytes(8, "little") + header), *parts]
+
+
+def decode(message: bytearray) -> Any:
+    """The value ``encode`` wrote; its tensors share ``message``'s memory (no copy)."""
+    view = memoryview(message)
+    count = int.from_bytes(view[8:16], "little")
+    sizes = [int.from_bytes(view[16 + 8 * i:24 + 8 * i], "little") for i in range(count)]
+    offset, parts = 16 + 8 * count, []
+    for size in sizes:
+        parts.append(view[offset:offset + size])
+        offset += size
+    return pickle.loads(parts[0], buffers=parts[1:])
+
+
+def _send(fd: int, parts: list[memoryview]) -> None:
+    """Write one message to the parent, part by part, from the parts' own memory."""
+    for view in parts:
+        while view:
+            view = view[os.write(fd, view):]
 
 
 def _child(fn: Callable, args: tuple, kwargs: dict, rank: int, world_size: int, backend: str,
@@ -140,12 +189,12 @@ def _child_main(fn, args, kwargs, rank, world_size, backend, store_path, timeout
                                 timeout=datetime.timedelta(seconds=timeout + 60))
         result = fn(*args, **kwargs)
     except BaseException:
-        payload = pickle.dumps(("error", traceback.format_exc()))
+        payload = encode(("error", traceback.format_exc()))
     else:
         try:
-            payload = pickle.dumps(("ok", result), protocol=pickle.HIGHEST_PROTOCOL)
+            payload = encode(("ok", result))
         except Exception as exc:
-            payload = pickle.dumps(("unpicklable", f"{type(result).__name__}: {exc}"))
+            payload = encode(("unpicklable", f"{type(result).__name__}: {exc}"))
     try:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -170,9 +219,11 @@ class _Rank:
     pid: int
     fds: dict[int, str]                       # fd -> "out" | "err" | "res" | "stack"
     partial: dict[str, bytes] = field(default_factory=lambda: {"out": b"", "err": b""})
-    # bytearray, not bytes: appending to bytes copies everything so far, which made a
-    # 64 MB result take the square of its size to arrive.
+    # The result is read into one buffer of the message's size, allocated when its first 8
+    # bytes (the size) have arrived. (Appending to bytes instead copied everything so far on
+    # every read: a 64 MB result took the square of its size to arrive.)
     result: bytearray = field(default_factory=bytearray)
+    received: int = 0
     stack: bytearray = field(default_factory=bytearray)
     message: tuple | None = None
     reaped: bool = False
@@ -265,15 +316,28 @@ def _collect(ranks: list[_Rank], sel: selectors.BaseSelector, timeout: float) ->
 def _read(key: selectors.SelectorKey, sel: selectors.BaseSelector) -> bool:
     """Read what one pipe has; print whole output lines. False at end of file."""
     info, kind = key.data
-    chunk = os.read(key.fd, READ_CHUNK)
+    if kind == "res" and info.received >= 8:            # straight into the message's buffer
+        end = min(len(info.result), info.received + READ_CHUNK)
+        got = os.readv(key.fd, [memoryview(info.result)[info.received:end]]) if end > info.received else 0
+        info.received += got
+        if got:
+            return True
+        sel.unregister(key.fd)
+        return False
+    chunk = os.read(key.fd, READ_CHUNK if kind != "res" else 8 - info.received)
     if not chunk:
         sel.unregister(key.fd)
         if info.partial.get(kind):
             _emit(info.rank, kind, info.partial[kind].decode(errors="replace"))
             info.partial[kind] = b""
         return False
-    if kind == "res":
+    if kind == "res":                                    # the first 8 bytes: the message's size
         info.result += chunk
+        info.received += len(chunk)
+        if info.received == 8:
+            message = bytearray(int.from_bytes(info.result, "little"))
+            message[:8] = info.result
+            info.result = message
     elif kind == "stack":
         info.stack += chunk
     else:
@@ -306,7 +370,7 @@ def _drain(sel: selectors.BaseSelector, seconds: float = 1.0) -> None:
 
 
 def _message_complete(info: _Rank) -> bool:
-    return len(info.result) >= 8 and len(info.result) >= 8 + int.from_bytes(info.result[:8], "little")
+    return info.received >= 8 and info.received == len(info.result)
 
 
 def _died(info: _Rank) -> None:
@@ -322,8 +386,8 @@ def _died(info: _Rank) -> None:
 
 def _finish(info: _Rank) -> None:
     """Turn a finished rank's result bytes into a value, or raise its error."""
-    kind, payload = pickle.loads(memoryview(info.result)[8:])
-    info.result = bytearray()                 # the value now lives in info.message alone
+    kind, payload = decode(info.result)
+    info.result = bytearray()                 # the value (sharing the buffer) lives in info.message
     if kind == "error":
         raise RankError(info.rank, payload)
     if kind == "unpicklable":
