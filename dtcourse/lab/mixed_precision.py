@@ -195,7 +195,7 @@ def gradient_sample(config: GPTConfig = CURVE_GPT, batch_size: int = CURVE_BATCH
 
     Activation gradients are those of every submodule's output (what backward passes from
     layer to layer); weight gradients are the parameters' ``.grad``. The loss is multiplied by
-    ``loss_factor`` as in ``mixed_precision.train``.
+    ``loss_factor`` as in ``train``.
     """
     model = GPT(config, seed=seed)
     caught: list[torch.Tensor] = []
@@ -366,7 +366,7 @@ def plot_update_underflow(history: Mapping[str, list[float]], weight: float = 1.
 # Loss curves
 # --------------------------------------------------------------------------- #
 def loss_curves(steps: int = 200, names: tuple[str, ...] = tuple(RECIPES), **kwargs) -> dict[str, TrainingRun]:
-    """``mixed_precision.train`` for each recipe, at the lesson's batch and loss factor unless told."""
+    """``train`` for each recipe, at the lesson's batch and loss factor unless told."""
     kwargs = {"batch_size": CURVE_BATCH, "loss_factor": LOSS_FACTOR, **kwargs}
     return {name: train(name, steps, **kwargs) for name in names}
 
