@@ -17,7 +17,7 @@ from dtcourse.lab import checkpointing as lab
 from dtcourse.checkpointing import (Checkpointed, CheckpointedSequential, SelectiveAttention,
                                     apply_full_recomputation, apply_selective_recomputation, checkpoint,
                                     checkpoint_sequential, segment_bounds)
-from dtcourse.memory import HeldBytes, SavedTensors
+from dtcourse.memory import SavedTensors
 from dtcourse.models import GPT, GPTConfig, lm_loss, token_batch
 
 TINY_GPT = GPTConfig(vocab_size=32, block_size=16, n_layer=3, n_head=4, d_model=32, dropout=0.1)
