@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import dtcourse
 from dtcourse import LaunchError, LaunchTimeout, RankError, launch
-from dtcourse.runtime import processes
+from dtcourse.runtime import processes, results
 from dtcourse.runtime.device import choose_backend, gpu_count
 
 
@@ -323,8 +323,8 @@ def test_results_keep_every_tensor_exactly_through_the_out_of_band_encoding():
               "transposed": base.t(), "slice": base[1:3, ::2], "grad": torch.ones(2, requires_grad=True),
               "parameter": torch.nn.Parameter(torch.full((2,), 3.0)), "nested": [(torch.ones(1), "text", 7)],
               "complex": torch.tensor([1 + 2j])}
-    message = bytearray(b"".join(bytes(part) for part in processes.encode(values)))
-    back = processes.decode(message)
+    message = bytearray(b"".join(bytes(part) for part in results.encode(values)))
+    back = results.decode(message)
     assert back.keys() == values.keys()
     for name, value in values.items():
         got = back[name][0][0] if name == "nested" else back[name]
@@ -333,4 +333,4 @@ def test_results_keep_every_tensor_exactly_through_the_out_of_band_encoding():
         assert torch.equal(got.detach(), want.detach()) and got.requires_grad == want.requires_grad, name
     assert back["nested"][0][1:] == ("text", 7)
     # a view ships only its own elements, not the whole storage it looks into
-    assert len(processes.encode(base[0, :2])[2]) == 2 * 8
+    assert len(results.encode(base[0, :2])[2]) == 2 * 8

@@ -1,7 +1,7 @@
 """The parameter server: parity of sync with one process, exactly-once async, the SSP bound, bytes, failures.
 
 Each ``train`` call is one launch (a few tenths of a second); the failure cases wait out a
-1.5 s server timeout. Run just these with ``pytest -q tests/test_parameter_server.py``.
+1.5 s server timeout, and the SSP runs a straggler that sleeps 0.4 s in each of 5 iterations. Run just these with ``pytest -q tests/test_parameter_server.py``.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import pytest
 import torch
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from dtcourse.parameter_server import (Fault, ParameterServerError, Problem, PSConfig, reference_sgd, shard_ranges,
-                                       staleness, train)
+from dtcourse.parameter_server import (Fault, ParameterServer, ParameterServerError, Problem, PSConfig, reference_sgd,
+                                       shard_ranges, staleness, train)
 
 F64 = Problem(dtype=torch.float64)        # 676 parameters: not divisible by 3 servers
 P = 16 * 32 + 32 + 32 * 4 + 4
@@ -137,13 +137,21 @@ def _exactly_once(run, problem: Problem) -> None:
     assert (run.params - expected).abs().max() < 1e-12
 
 
+def _async(world_size: int, num_servers: int) -> PSConfig:
+    # The last worker sleeps 0.1 s per iteration; a fast worker's iteration takes a few ms (at most
+    # ~60 ms on 2 busy cores), so the fast ones push new iterations while the straggler sleeps.
+    delays = (0.0,) * (world_size - num_servers - 1) + (0.1,)
+    return PSConfig(world_size=world_size, num_servers=num_servers, mode="async", steps=6, delays=delays)
+
+
 @pytest.mark.parametrize("world_size, num_servers", [(3, 1), (5, 2)])
 def test_async_terminates_and_applies_every_push_exactly_once(world_size, num_servers):
-    delays = (0.0,) * (world_size - num_servers - 1) + (0.02,)                    # the last worker straggles
-    config = PSConfig(world_size=world_size, num_servers=num_servers, mode="async", steps=6, delays=delays)
+    config = _async(world_size, num_servers)
     run = train(config, F64)
     _exactly_once(run, F64)
     assert all(len(t.losses) == 6 for t in run.workers)
+    _check_bound(run)                  # s = inf: only that each staleness follows its definition
+    _assert_bound_reached(run)         # nobody waits for the straggler: its pushes arrive stale
 
 
 def _check_bound(run) -> None:
@@ -165,13 +173,57 @@ def _check_bound(run) -> None:
                     assert applied_at[u, c - s - 1] < received, (t.worker, c, u)
 
 
+def _largest_lead(run) -> int:
+    """The most iterations a worker was ahead of another when its parameters arrived: c - (the other's
+    pushes sent by then), largest over every read of every worker."""
+    sent_by = [[end for kind, _, _, end in t.spans if kind == "compute"] for t in run.workers]
+    return max(c - sum(end < received for end in sent)
+               for t in run.workers
+               for c, (_, _, _, received) in enumerate(x for x in t.spans if x[0] == "wait")
+               for sent in sent_by)
+
+
+def _assert_bound_reached(run) -> None:
+    """With a straggler, the bound is not only kept but reached: a fast worker runs s iterations ahead,
+    and the straggler's first push (computed on version 0) is applied s iterations stale. In async mode
+    its pushes are stale at all. A server that waits for the slowest fails this (see the test below)."""
+    s, late = run.config.staleness_bound, max(u.staleness for u in run.updates)
+    if s == math.inf:
+        assert late > 0 and _largest_lead(run) > 0, (late, _largest_lead(run))
+    else:
+        assert late == s and _largest_lead(run) == s, (late, _largest_lead(run))
+
+
+def _ssp(bound: int) -> PSConfig:
+    # World size 5: three fast workers and one that is slow every iteration, so a finite bound must bite.
+    # The straggler sleeps 0.4 s per iteration: the fast workers' s + 1 iterations before its first push
+    # take at most ~0.2 s (measured on 2 cores shared with two busy processes), so that push is s stale.
+    return PSConfig(world_size=5, mode="ssp", bound=bound, steps=5, delays=(0, 0, 0, 0.4))
+
+
 @pytest.mark.parametrize("bound", [0, 1, 2])
 def test_ssp_never_exceeds_its_bound(bound):
-    # World size 5: three fast workers and one that is slow every iteration, so a finite bound must bite.
-    config = PSConfig(world_size=5, mode="ssp", bound=bound, steps=8, delays=(0, 0, 0, 0.02))
-    run = train(config, F64)
+    run = train(_ssp(bound), F64)
     _check_bound(run)
+    _assert_bound_reached(run)
     _exactly_once(run, F64)
+
+
+class WaitsForTheSlowest(ParameterServer):
+    """Ignores the bound: every worker waits for the slowest each iteration, as with s = 0."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.bound = 0
+
+
+@pytest.mark.parametrize("config", [_ssp(2), _async(3, 1)], ids=["ssp", "async"])
+def test_a_server_that_waits_for_the_slowest_does_not_reach_the_bound(config):
+    run = train(config, F64, server_cls=WaitsForTheSlowest)
+    _check_bound(run)                            # it keeps the bound, and records staleness right ...
+    with pytest.raises(AssertionError):
+        _assert_bound_reached(run)               # ... but never lets a fast worker run ahead
+    assert _largest_lead(run) == 0 and {u.staleness for u in run.updates} == {0}
 
 
 def test_ssp_with_zero_bound_is_synchronous():

@@ -1,7 +1,7 @@
 """Exercise 03 (an SSP server loop): the released notebook, its checks and the autograder.
 
-A server that ignores the bound, or applies whole gradients instead of 1/N shares, fails only the
-checks about that, with the worker, iteration or factor named; a server with no deadline fails
+A server that ignores the bound, never lets a fast worker run ahead, or applies whole gradients
+instead of 1/N shares, fails only the checks about that, with the worker, iteration or factor named; a server with no deadline fails
 the hang check after the check's time limit. Full marks for the solution and zero for the
 untouched exercise are checked with every exercise's, in ``test_grading.py``. Each grading run
 starts one Jupyter kernel. Run just these with ``pytest -q test_parameter_server_exercise.py``, and
@@ -46,6 +46,32 @@ class AsyncServer(ServerBase):
         return self.finish()
 '''
 
+# Answers only when every worker has pushed the round: a barrier, correct for s = 0 and a straggler's
+# pace for any bound, so fast workers never run ahead.
+BARRIER = '''
+class AsyncServer(ServerBase):
+    def serve(self):
+        n = self.num_workers
+        clock, waiting, owed = [0] * n, set(range(n)), {}
+        while min(clock) < self.steps:
+            if len(waiting) == n:                  # the barrier: answer only once every worker has pushed
+                for u in sorted(waiting):
+                    self.reply(u)
+                    owed[u] = time.perf_counter()
+                waiting.clear()
+            request = self.next_request(owed)
+            w = request.worker
+            del owed[w]
+            late = staleness(self.version, request.read_version, request.clock)
+            self.apply(request.grad / n)
+            clock[w] += 1
+            self.version = max(self.version, clock[w])
+            self.record(request, late)
+            if clock[w] < self.steps:
+                waiting.add(w)
+        return self.finish()
+'''
+
 
 # --------------------------------------------------------------------------- #
 # The released notebook
@@ -64,12 +90,24 @@ def test_ignoring_the_bound_fails_only_the_bound_and_parity_checks(tmp_path):
     assert failed(report) == ["check_bound", "check_bound_hidden", "check_parity", "check_parity_hidden"], str(report)
     assert report.score == POINTS - 6, str(report)
     message = result["check_bound"].message
-    assert "AsyncServer is wrong (s=1, 1 server(s), 3 workers, 7 iterations, worker 2 sleeps 20 ms" in message
+    assert "AsyncServer is wrong (s=1, 1 server(s), 3 workers, 7 iterations, worker 2 sleeps 250 ms" in message
     # Which worker lags most depends on scheduling (worker 2 sleeps, but on 2 busy cores another
     # one can fall further behind), so the message must name a worker, not necessarily worker 2.
     assert re.search(r"worker \d received the parameters of iteration \d+ when worker \d had sent only \d+ "
                      r"pushes: .* more than s = 1", message), message
     assert "more than s = 0" in result["check_parity"].message, result["check_parity"].message
+
+
+def test_a_barrier_each_round_fails_only_the_bound_checks(tmp_path):
+    report = grade_answers(NAME, tmp_path, {"async_server": BARRIER})
+    result = by_id(report)
+    assert failed(report) == ["check_bound", "check_bound_hidden"], str(report)
+    assert report.score == POINTS - 3, str(report)
+    for grade_id, s in [("check_bound", 1), ("check_bound_hidden", 3)]:
+        message = result[grade_id].message
+        assert (f"AsyncServer is wrong (s={s}, 1 server(s), " in message and "sleeps 250 ms per iteration): it never "
+                f"let a fast worker run ahead: the largest lead was 0 iterations, but with a straggler and s = {s} "
+                f"it must reach {s}" in message), message
 
 
 # --------------------------------------------------------------------------- #

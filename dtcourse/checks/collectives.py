@@ -20,18 +20,15 @@ it runs, the collectives in ``torch.distributed`` raise.
 
 from __future__ import annotations
 
-import os
-import tempfile
 import warnings
 from contextlib import contextmanager
-from pathlib import Path
+from functools import partial
 from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
-from dtcourse.checks.common import _notes, _read, _student_error, _tail
-from dtcourse.runtime.launch import LaunchError, RankError, launch
+from dtcourse.checks.common import _as_student, _launch_check, _stop_at_first_failure
 
 __all__ = ["check_ring_exchange", "check_reduce_scatter", "check_all_gather", "check_all_reduce", "FLOATS"]
 
@@ -91,7 +88,7 @@ def check_all_reduce(fn: Callable, world_sizes: Sequence[int] = (2, 4), sizes: S
 # --------------------------------------------------------------------------- #
 def _run(kind: str, fn: Callable, world_sizes: Sequence[int], sizes: Sequence[Size],
          dtypes: Sequence[torch.dtype], timeout: float | None, p2p_only: bool) -> None:
-    """One launch per world size runs every case; turn whatever went wrong into an AssertionError."""
+    """One launch per world size runs every case; the first that goes wrong raises AssertionError."""
     if not callable(fn):
         raise TypeError(f"check_{kind}: pass your function itself, e.g. check_{kind}(my_fn), "
                         f"not {type(fn).__name__}")
@@ -100,69 +97,23 @@ def _run(kind: str, fn: Callable, world_sizes: Sequence[int], sizes: Sequence[Si
         raise ValueError(f"check_{kind}: sizes must be positive ints or shapes, got {sizes!r}")
     if any(dtype not in FLOATS for dtype in dtypes):
         raise ValueError(f"check_{kind}: dtypes must be among {FLOATS}, got {dtypes!r}")
-    if timeout is None:
-        timeout = float(os.environ.get("DTCOURSE_CHECK_TIMEOUT", "20"))
     cases = [(dtype, shape) for dtype in dtypes for shape in shapes]
-    name = getattr(fn, "__name__", "your function")
     for world_size in world_sizes:
-        with tempfile.TemporaryDirectory(prefix="dtcourse-check-") as progress:
-            try:
-                results = launch(_rank_main, world_size, kind, fn, cases, progress, p2p_only,
-                                 timeout=timeout)
-            except TimeoutError as err:
-                raise AssertionError(_timeout_message(name, world_size, timeout, progress, err)) from None
-            except RankError as err:
-                note = _notes(progress, world_size).get(err.rank, "")
-                text = _read(Path(progress, f"{err.rank}.error")) or _tail(err.remote_traceback)
-                if "timed out" in text.lower() or "timeout" in text.lower():
-                    raise AssertionError(
-                        f"{name} did not finish at world size {world_size}: rank {err.rank} gave up "
-                        f"waiting in case {note}. {_DEADLOCK_HINT}\n{text}") from None
-                raise AssertionError(f"{name} failed at world size {world_size}, case {note}: "
-                                     f"rank {err.rank} raised {text}") from None
-            except LaunchError as err:
-                raise AssertionError(f"{name} crashed a rank at world size {world_size}: {err}") from None
-        failures = [(rank, result) for rank, result in enumerate(results) if result]
-        if failures:
-            case = failures[0][1][0]
-            lines = [f"rank {rank}: {message}" for rank, (_, message) in failures[:4]]
-            more = f"\n  ... and {len(failures) - 4} more ranks" if len(failures) > 4 else ""
-            raise AssertionError(f"{name} is wrong at world size {world_size}, case {case}:\n  "
-                                 + "\n  ".join(lines) + more)
-
-
-def _timeout_message(name: str, world_size: int, timeout: float, progress: str, err: TimeoutError) -> str:
-    """Which ranks hung, in which case, the likely cause, and (if the launcher says) where."""
-    notes = _notes(progress, world_size)
-    by_case: dict[str, list[int]] = {}
-    for rank, note in notes.items():
-        if note != "finished":
-            by_case.setdefault(note or "(before the first case)", []).append(rank)
-    where = "; ".join(f"rank(s) {ranks} in case {case}" for case, ranks in by_case.items())
-    _, marker, stacks = str(err).partition("\nWhere the stuck ranks were")
-    stacks = "\n" + "\n".join((marker.strip() + stacks).splitlines()[:7]) if marker else ""
-    return (f"{name} did not finish at world size {world_size} within {timeout:g} s: {where} were "
-            f"still running. {_DEADLOCK_HINT}{stacks}")
+        _launch_check(getattr(fn, "__name__", "your function"), world_size, _rank_main,
+                      (kind, fn, cases, p2p_only), timeout, where=f" at world size {world_size}",
+                      hint=_DEADLOCK_HINT)
 
 
 # --------------------------------------------------------------------------- #
 # Inside each rank
 # --------------------------------------------------------------------------- #
-def _rank_main(kind: str, fn: Callable, cases: list, progress: str, p2p_only: bool) -> list:
+def _rank_main(kind: str, fn: Callable, cases: list, p2p_only: bool, progress: str) -> list:
     """Run every case on this rank; return [] or (case, message) for the first wrong case."""
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    for index, (dtype, shape) in enumerate(cases):
-        description = _describe(kind, dtype, shape, world_size)
-        Path(progress, str(rank)).write_text(description)
-        problem = _run_case(kind, fn, dtype, shape, index, progress, p2p_only)
-        # Every rank stops at the first case any rank got wrong, so none waits alone.
-        flag = torch.tensor([problem is not None], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item():
-            Path(progress, str(rank)).write_text("finished")
-            return [description, problem] if problem else []
-    Path(progress, str(rank)).write_text("finished")
-    return []
+    world_size = dist.get_world_size()
+    runs = [(f"case {_describe(kind, dtype, shape, world_size)}",
+             partial(_run_case, kind, fn, dtype, shape, index, progress, p2p_only))
+            for index, (dtype, shape) in enumerate(cases)]
+    return _stop_at_first_failure(runs, progress)
 
 
 def _describe(kind: str, dtype: torch.dtype, shape: tuple, world_size: int) -> str:
@@ -223,12 +174,8 @@ def _run_case(kind: str, fn: Callable, dtype: torch.dtype, shape: tuple, index: 
         got = x.clone()
         args = (got,)
     original = x.clone()
-    try:
-        with _point_to_point_only(getattr(fn, "__name__", "your function"), p2p_only):
-            returned = fn(*args)
-    except Exception as exc:
-        Path(progress, f"{rank}.error").write_text(_student_error(exc))
-        raise
+    with _point_to_point_only(getattr(fn, "__name__", "your function"), p2p_only):
+        returned = _as_student(progress, lambda: fn(*args))
     if kind != "all_reduce" and not torch.equal(x, original):
         return "changed its input tensor; a collective must leave its input as it was (work on a copy)"
     problem = _compare(got, expected, tolerance, returned)

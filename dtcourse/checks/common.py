@@ -3,6 +3,9 @@
 A check runs the student's code with ``dtcourse.launch`` and turns a hang, an
 exception or a wrong answer into one ``AssertionError`` whose message the
 autograder prints: which rank, which case, what was expected and what came back.
+``_launch_check`` does that in the notebook's process; inside the ranks,
+``_stop_at_first_failure`` runs the cases one by one and stops every rank at the
+first case any rank got wrong, and ``_as_student`` keeps the student's error.
 """
 
 from __future__ import annotations
@@ -11,11 +14,13 @@ import os
 import tempfile
 import traceback
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
+import torch
 import torch.distributed as dist
 
-from dtcourse.runtime.launch import LaunchError, RankError, launch
+from dtcourse.runtime.launch import LaunchError, LaunchTimeout, RankError, launch
+from dtcourse.runtime.processes import frames
 
 
 def _read(path: Path) -> str:
@@ -50,27 +55,41 @@ def _check_names(check: str, fn: Callable, names: Sequence[str], known: dict) ->
         raise ValueError(f"{check}: cases must be among {sorted(known)}, got {list(names)}")
 
 
+def _where_stuck(err: LaunchTimeout, name: Callable[[int], str] = lambda rank: f"rank {rank}", ranks: int = 2,
+                 depth: int = 3) -> str:
+    """Where the first ``ranks`` stuck ranks were, ``depth`` calls each, innermost first ('' if unknown)."""
+    lines = [f"  {name(rank)} was at " + "\n      called from ".join(frames(err.stacks.get(rank, ""))[:depth])
+             for rank in err.stuck if frames(err.stacks.get(rank, ""))][:ranks]
+    return "\nWhere the stuck ranks were (innermost call first):\n" + "\n".join(lines) if lines else ""
+
+
 def _launch_check(label: str, world_size: int, rank_fn: Callable, args: tuple, timeout: float | None,
                   where: str, hint: str) -> None:
-    """Run ``rank_fn(*args, progress)`` on every rank; turn whatever went wrong into an AssertionError."""
+    """Run ``rank_fn(*args, progress)`` on every rank; turn whatever went wrong into an AssertionError.
+
+    ``rank_fn`` returns ``[]``, or ``[case, message]`` for a wrong answer, and notes the case it is in
+    in the file ``progress/<rank>`` (``"finished"`` at the end), so a hang names the case.
+    """
     if timeout is None:
         timeout = float(os.environ.get("DTCOURSE_CHECK_TIMEOUT", "20"))
     with tempfile.TemporaryDirectory(prefix="dtcourse-check-") as progress:
         try:
             results = launch(rank_fn, world_size, *args, progress, timeout=timeout)
-        except TimeoutError as err:
+        except LaunchTimeout as err:
+            notes = _notes(progress, world_size)
             busy: dict[str, list[int]] = {}
-            for rank, note in _notes(progress, world_size).items():
-                if note != "finished":
-                    busy.setdefault(note or "before the first case", []).append(rank)
+            for rank in err.stuck:
+                busy.setdefault(notes.get(rank) or "before the first case", []).append(rank)
             stuck = "; ".join(f"rank(s) {ranks} in {note}" for note, ranks in busy.items())
-            _, marker, stacks = str(err).partition("\nWhere the stuck ranks were")
-            stacks = "\n" + "\n".join((marker.strip() + stacks).splitlines()[:7]) if marker else ""
             raise AssertionError(f"{label} did not finish{where} within {timeout:g} s: {stuck} were "
-                                 f"still running. {hint}{stacks}") from None
+                                 f"still running. {hint}{_where_stuck(err)}") from None
         except RankError as err:
             note = _notes(progress, world_size).get(err.rank, "")
             text = _read(Path(progress, f"{err.rank}.error")) or _tail(err.remote_traceback)
+            if world_size > 1 and ("timed out" in text.lower() or "timeout" in text.lower()):
+                # The student's own wait(timeout=...) gave up: a deadlock seen from inside the rank.
+                raise AssertionError(f"{label} did not finish{where}: rank {err.rank} gave up waiting in "
+                                     f"{note}. {hint}\n{text}") from None
             who = f"rank {err.rank} raised" if world_size > 1 else "it raised"
             raise AssertionError(f"{label} failed{where} in {note}: {who} {text}") from None
         except LaunchError as err:
@@ -83,6 +102,26 @@ def _launch_check(label: str, world_size: int, rank_fn: Callable, args: tuple, t
         more = f"\n  ... and {len(failures) - 4} more ranks" if len(failures) > 4 else ""
         raise AssertionError(f"{label} is wrong{where} in {failures[0][1][0]}:\n  "
                              + "\n  ".join(lines) + more)
+
+
+def _stop_at_first_failure(cases: Iterable[tuple[str, Callable[[], str | None]]], progress: str) -> list:
+    """Inside every rank: run ``(case, run)`` pairs in order, noting each case in ``progress``.
+
+    ``run()`` returns None or what this rank found wrong. After each case the ranks agree (an
+    all-reduce MAX of a flag) whether any rank found something, and if so all stop there, so
+    none waits alone in the next case. Returns ``[]`` or ``[case, message]``, as
+    ``_launch_check`` expects.
+    """
+    rank, problem = dist.get_rank(), None
+    for case, run in cases:
+        Path(progress, str(rank)).write_text(case)
+        problem = run()
+        flag = torch.tensor([problem is not None], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)                 # sends 4 bytes per rank
+        if flag.item():
+            break
+    Path(progress, str(rank)).write_text("finished")
+    return [case, problem] if problem else []
 
 
 def _as_student(progress: str, call: Callable) -> object:

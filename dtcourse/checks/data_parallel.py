@@ -15,13 +15,14 @@ from __future__ import annotations
 import copy
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
-from dtcourse.checks.common import _as_student, _check_names, _launch_check
+from dtcourse.checks.common import _as_student, _check_names, _launch_check, _stop_at_first_failure
 
 __all__ = ["check_bucket_assignment", "check_ddp_parity", "check_overlap", "DDP_CASES", "DDP_TOL"]
 
@@ -261,17 +262,9 @@ def _full_gradients(scratch: torch.nn.Module, model: torch.nn.Module, case: _DDP
 
 
 def _parity_rank(cls: Callable, names: tuple[str, ...], steps: int, progress: str) -> list:
-    rank = dist.get_rank()
-    for name in names:
-        problem = _parity_case(cls, name, steps, progress)
-        # Every rank stops at the first case any rank got wrong, so none waits alone.
-        flag = torch.tensor([problem is not None], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item():
-            Path(progress, str(rank)).write_text("finished")
-            return [f"case {name!r} ({DDP_CASES[name].description})", problem] if problem else []
-    Path(progress, str(rank)).write_text("finished")
-    return []
+    runs = [(f"case {name!r} ({DDP_CASES[name].description})", partial(_parity_case, cls, name, steps, progress))
+            for name in names]
+    return _stop_at_first_failure(runs, progress)
 
 
 def _parity_case(cls: Callable, name: str, steps: int, progress: str) -> str | None:

@@ -50,17 +50,12 @@ Example::
     run.params, [u.staleness for u in run.updates], run.busiest_link()
 """
 
-from dtcourse.parameter_server.config import FAULTS, MODES, Fault, Problem, PSConfig, _fail
+from dtcourse.parameter_server.config import MODES, Fault, Problem, PSConfig
 from dtcourse.parameter_server.job import ParameterServerError, PSRun, ps_rank, reference_sgd, train
-from dtcourse.parameter_server.messages import (TAG_GRAD, TAG_PARAMS, TAG_PUSH, TAG_REPLY, Request, WorkerFailure,
-                                                _isend, _recv, _wait, shard_ranges)
+from dtcourse.parameter_server.messages import Request, WorkerFailure, shard_ranges
 from dtcourse.parameter_server.server import ParameterServer, ServerBase, ServerResult, Update, staleness
 from dtcourse.parameter_server.worker import WorkerTrace, run_worker
 
 __all__ = ["PSConfig", "Fault", "Problem", "Request", "Update", "ServerBase", "ParameterServer",
            "WorkerFailure", "ParameterServerError", "WorkerTrace", "ServerResult", "PSRun", "shard_ranges",
            "staleness", "run_worker", "ps_rank", "train", "reference_sgd", "MODES"]
-
-# Importable from the package as they were from the single module, but not in __all__: the fault
-# kinds, the message tags, and the helpers the server and the worker share.
-_INTERNALS = (FAULTS, TAG_PUSH, TAG_GRAD, TAG_REPLY, TAG_PARAMS, _isend, _recv, _wait, _fail)

@@ -14,13 +14,18 @@ import torch
 import torch.distributed as dist
 from torch.nn.utils import parameters_to_vector
 
-from dtcourse.runtime.launch import LaunchError, RankError, launch
+from dtcourse.runtime.launch import LaunchError, LaunchTimeout, RankError, launch
 from dtcourse.parameter_server.config import Problem, PSConfig
 from dtcourse.parameter_server.server import ParameterServer, ServerResult, Update
 from dtcourse.parameter_server.worker import WorkerTrace, run_worker
 
 class ParameterServerError(RuntimeError):
-    """A run failed; the message names the role of the rank that failed or hung."""
+    """A rank failed; the message names its role. ``rank`` is that rank (None if unknown) and
+    ``error`` the name of the exception it raised (``"WorkerFailure"``; None if it crashed)."""
+
+    def __init__(self, message: str, rank: int | None = None, error: str | None = None):
+        super().__init__(message)
+        self.rank, self.error = rank, error
 
 
 def ps_rank(config: PSConfig, problem: Problem = Problem(), server_cls: type = ParameterServer,
@@ -92,16 +97,18 @@ def train(config: PSConfig, problem: Problem = Problem(), server_cls: type = Par
     except RankError as err:
         last = err.remote_traceback.strip().splitlines()[-1]
         kind, _, message = last.partition(": ")
-        last = f"{kind.rsplit('.', 1)[-1]}: {message}" if message else last       # drop the module path
-        raise ParameterServerError(f"{config.role(err.rank)} failed: {last}") from err
+        kind = kind.rsplit(".", 1)[-1]                                             # drop the module path
+        text = f"{kind}: {message}" if message else kind
+        raise ParameterServerError(f"{config.role(err.rank)} failed: {text}", err.rank, kind) from err
     except LaunchError as err:
         text = str(err)
         for rank in range(config.world_size):
             text = text.replace(f"rank {rank} ", f"{config.role(rank)} ", 1)
         raise ParameterServerError(text) from err
-    except TimeoutError as err:
-        k = config.num_servers
-        raise TimeoutError(f"{err}\n(ranks 0-{k - 1} are the servers; rank {k} + i is worker i)") from None
+    except LaunchTimeout as err:
+        # The same exception goes on, .stuck and .stacks included; the note names the stuck ranks' roles.
+        err.add_note(f"Still running: {', '.join(config.role(r) for r in err.stuck)}.")
+        raise
     servers, workers = results[:config.num_servers], results[config.num_servers:]
     return PSRun(config, torch.cat([s.shard for s in servers]), servers, workers)
 

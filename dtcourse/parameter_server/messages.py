@@ -8,15 +8,21 @@ plain messages every byte is visible, so each rank counts what it sends and rece
 lesson 01's ``ByteCounter``, and a server waits for a request with a deadline, so a worker that hangs
 or dies ends the run with an error that names it (``WorkerFailure``) instead of a silent wait.
 
-A push is two messages to server j: a header ``[clock, read_version]`` (tag ``TAG_PUSH``) then
-the gradient's range j (``TAG_GRAD``). A reply, which answers a pull, is a header ``[version,
-applied]`` (``TAG_REPLY``) then the parameters' range j (``TAG_PARAMS``).
+A push is two messages to server j: a header ``[worker, clock, read_version]`` (tag ``TAG_PUSH``)
+then the gradient's range j (``TAG_GRAD``). The server takes the header from whichever worker
+sends first, so the header names its sender, as every message of Li et al.'s parameter server
+does; the server then receives the gradient from that worker. A reply, which answers a pull, is a
+header ``[version, applied]`` (``TAG_REPLY``) then the parameters' range j (``TAG_PARAMS``).
+
+A receive waits until a deadline. If nothing came by then, ``_recv`` raises ``TimeoutError``; if
+the sender's connection broke first (its process died), the backend's ``RuntimeError`` passes through.
 
     shard_ranges(676, 3)    # [(0, 226), (226, 451), (451, 676)]
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -50,19 +56,26 @@ def _isend(tensor, dst: int, tag: int, group, counter: ByteCounter, phase: str, 
     return dist.isend(tensor, group=group, group_dst=dst, tag=tag)
 
 
-def _wait(work, seconds: float | None) -> None:
-    # A gloo receive that times out also closes its connection, so a timeout here is final.
-    if seconds is None:
-        work.wait()
-    else:
-        work.wait(timeout=timedelta(seconds=max(seconds, 1e-3)))
+def _recv(tensor, src: int | None, tag: int, group, counter: ByteCounter, seconds: float | None) -> None:
+    """Receive into ``tensor`` from ``src`` (None: from any rank), waiting at most ``seconds``.
 
-
-def _recv(tensor, src: int | None, tag: int, group, counter: ByteCounter, seconds: float | None):
-    work = dist.irecv(tensor, group=group, group_src=src, tag=tag)   # src None: from any rank
-    _wait(work, seconds)
+    Raises ``TimeoutError`` if nothing arrived by the deadline. A gloo receive reports a timeout and a
+    broken connection as the same ``RuntimeError``, so the deadline, kept here, tells the two apart.
+    A gloo receive that times out also closes its connection, so a timeout is final.
+    """
+    deadline = None if seconds is None else time.perf_counter() + seconds
+    work = dist.irecv(tensor, group=group, group_src=src, tag=tag)
+    try:
+        if seconds is None:
+            work.wait()
+        else:
+            work.wait(timeout=timedelta(seconds=max(seconds, 1e-3)))
+    except RuntimeError as err:
+        # The backend's clock starts after ours, so once it gives up, ours has passed the deadline.
+        if deadline is not None and time.perf_counter() >= deadline:
+            raise TimeoutError(f"nothing arrived within {seconds:g} s") from err
+        raise
     counter.received += tensor.nbytes
-    return work
 
 
 @dataclass(frozen=True)

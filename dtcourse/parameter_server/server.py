@@ -74,27 +74,26 @@ class ServerBase:
     def next_request(self, owed: Mapping[int, float]) -> Request:
         """The next push from any worker. ``owed`` maps each worker that owes this server a push to the
         ``time.perf_counter()`` since when; past ``config.timeout`` this raises ``WorkerFailure``."""
-        header = torch.empty(2, dtype=torch.int64)          # [clock, read_version]
+        header = torch.empty(3, dtype=torch.int64)          # [worker, clock, read_version]
         limit = None if not owed else min(owed.values()) + self.config.timeout - time.perf_counter()
         try:
-            work = _recv(header, None, TAG_PUSH, self.group, self.counter, limit)   # from any worker
-        except RuntimeError as err:
+            _recv(header, None, TAG_PUSH, self.group, self.counter, limit)         # from any worker
+        except (TimeoutError, RuntimeError) as err:
             raise self._failure(owed, err) from None
-        src = work._source_rank()                            # the group rank it came from
-        clock, read_version = header.tolist()
-        worker = src - self.config.num_servers
+        worker, clock, read_version = header.tolist()       # the header names its sender
         grad = torch.empty(self.hi - self.lo, dtype=self.shard.dtype)           # (hi - lo,)
         try:                                                 # receives (hi - lo) * itemsize bytes
-            _recv(grad, src, TAG_GRAD, self.group, self.counter, self.config.timeout)
-        except RuntimeError as err:
+            _recv(grad, self.config.num_servers + worker, TAG_GRAD, self.group, self.counter,
+                  self.config.timeout)
+        except (TimeoutError, RuntimeError) as err:
             raise self._failure({worker: time.perf_counter() - self.config.timeout}, err) from None
         return Request(worker, clock, read_version, grad)
 
-    def _failure(self, owed: Mapping[int, float], err: RuntimeError) -> WorkerFailure:
+    def _failure(self, owed: Mapping[int, float], err: Exception) -> WorkerFailure:
         now, cfg = time.perf_counter(), self.config
         late = sorted(w for w, since in owed.items() if now - since >= 0.9 * cfg.timeout) or sorted(owed)
         names = ", ".join(cfg.role(cfg.num_servers + w) for w in late)
-        why = (f"sent nothing for {cfg.timeout:g} s (timeout)" if "imed out" in str(err)
+        why = (f"sent nothing for {cfg.timeout:g} s (timeout)" if isinstance(err, TimeoutError)
                else f"dropped its connection ({str(err).splitlines()[0][:120]})")
         return WorkerFailure(f"{cfg.role(self.index)} gave up: {names} owed it a push and {why}; "
                              "it has hung or died.", late[0] if late else None)

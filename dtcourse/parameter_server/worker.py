@@ -54,7 +54,7 @@ def run_worker(config: PSConfig, problem: Problem = Problem(), group=None) -> Wo
             try:
                 _recv(header, j, TAG_REPLY, group, trace.counter, patience)
                 _recv(flat[lo:hi], j, TAG_PARAMS, group, trace.counter, patience)   # a pull of range j
-            except RuntimeError as err:
+            except (TimeoutError, RuntimeError) as err:
                 # Most often the server is giving up on another worker and its report, which names
                 # that worker, is on its way to launch: let it arrive first.
                 time.sleep(1.0)
@@ -85,7 +85,8 @@ def run_worker(config: PSConfig, problem: Problem = Problem(), group=None) -> Wo
         trace.spans.append(("compute", f"iteration {c}", begin, time.perf_counter()))
         sends = []
         for j, (lo, hi) in enumerate(ranges):            # sends (hi - lo) * itemsize bytes to server j
-            sends.append(_isend(torch.tensor([c, read[j]]), j, TAG_PUSH, group, trace.counter, "header", c, j))
+            header = torch.tensor([w, c, read[j]])                              # [worker, clock, read_version]
+            sends.append(_isend(header, j, TAG_PUSH, group, trace.counter, "header", c, j))
             sends.append(_isend(grad[lo:hi], j, TAG_GRAD, group, trace.counter, "push", c, j))
     for work in sends:
         work.wait()

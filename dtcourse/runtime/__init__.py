@@ -1,6 +1,7 @@
 """What every lesson runs on: the launcher, device and backend choice, and the timeline recorder.
 
 * ``launch`` / ``init_from_env`` (``launch.py``): ranks from a notebook, or under torchrun;
+  ``results.py`` is how a rank's result travels back (tensors out of band);
   ``processes.py`` is the fork-and-pipes plumbing beneath it.
 * ``device`` / ``choose_backend`` / ``gpu_count`` (``device.py``): nccl or gloo, and each rank's
   device, decided without initialising CUDA in the parent.
