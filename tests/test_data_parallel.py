@@ -1,9 +1,10 @@
 """DistributedDataParallel: parity with one process and with torch DDP, no_sync, buckets, events, errors.
 
-Every world size runs all of its cases inside one launch, so the file stays fast on 2 cores.
+The parity tests go through ``dtcourse.parity.check_parity``: after every step it compares the outputs,
+the gradients and the parameters with one process and with torch DDP, and checks that every rank holds
+the same bits. Every world size runs all of its cases inside one launch, and the strategies of a case
+train side by side against one baseline and one torch DDP, so the file stays fast on 2 cores.
 """
-
-import contextlib
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 from dtcourse import RankError, launch
 from dtcourse.data_parallel import COMMS, STRATEGIES, DistributedDataParallel, assign_buckets
 from dtcourse.models import GPT, GPTConfig, MLP, lm_loss, regression_batch, token_batch
+from dtcourse.parity import Replicated, Tolerance, check_parity
 
 B = 12                    # global batch, divisible by every world size tested (1-4)
 ACC_B, MICRO = 36, 3      # accumulation: 36 / (N * 3) rows per micro-batch for N = 1..4
@@ -22,15 +24,22 @@ SIZES = (7, 13, 11, 5)    # parameter numels 91, 13, 143, 11, 55, 5: none divisi
 MLP_CAP = 0.0002          # MiB, about 210 bytes: three buckets (see test_bucket_assignment)
 GPT_CFG = GPTConfig(vocab_size=32, block_size=8, n_layer=1, n_head=2, d_model=16)
 GPT_CAP = 0.002           # MiB, about 2 KiB: the 3.9k-parameter GPT in several buckets
-# float32 throughout. A rank's mean over B/N rows, averaged over N ranks, sums the
-# same numbers as the mean over B rows in another order: the gradients differ by a
-# few ulps (~1e-7 relative). Adam's update m/sqrt(v) inherits that relative error,
-# so after 3 steps of lr 1e-3 the parameters differ by ~1e-6 (1.3e-6 at most when
-# measured; `pytest -s` prints it), well inside 1e-5. Against torch DDP, torch
-# divides by N before summing and we after, and the N-term sums may run in another
-# order (torch's buckets differ, and comm="ring" is our own ring): bit-identical
-# for N <= 2 (one addition, an exact halving: asserted), 4.5e-7 measured at N = 3.
-TOL = 1e-5
+# float32 throughout; `pytest -s` prints the largest differences measured.
+ONE_PROCESS = Tolerance(1e-5, 0, (
+    "a rank's mean over B/N rows, averaged over N ranks, adds the same numbers as the mean over B rows "
+    "in another order: gradients differ by a few ulps (5e-7 at most, GPT at N = 3). Adam's first step "
+    "is lr * g / (|g| + eps), so where g nearly cancels (3e-8, near eps = 1e-8) those ulps move the "
+    "parameter by up to 4.7e-6 (GPT c_attn at N = 3), and the outputs by 1e-6"))
+TORCH_DDP = Tolerance(1e-5, 0, (
+    "torch divides by N before summing and we after, and the N-term sums may run in another order "
+    "(torch's buckets differ, and comm='ring' is our own ring): 6.9e-7 at most, at N = 4"))
+TORCH_DDP_EXACT = Tolerance.exact(
+    "N <= 2: one addition a + b per element and an exact halving, (a + b) / 2 == a / 2 + b / 2, so "
+    "the same bits as torch DDP, and the same outputs from the same parameters")
+
+
+def _adam(params):
+    return torch.optim.Adam(params, lr=LR)
 
 
 def _mlp() -> nn.Module:
@@ -43,77 +52,43 @@ MODELS = {   # name: (build, batches(global batch, seed), loss, bucket cap)
     "mlp": (_mlp, lambda b, s: regression_batch(b, SIZES[0], SIZES[-1], seed=s), F.mse_loss, MLP_CAP),
     "gpt": (lambda: GPT(GPT_CFG, seed=0), lambda b, s: token_batch(GPT_CFG, b, seed=s), lm_loss, GPT_CAP),
 }
+# case: (model, global batch, micro-batches per step). "acc": 2 micro-batches under no_sync + 1 synced
+# must equal one step on the full batch.
+PARITY_CASES = {"mlp": ("mlp", B, 1), "gpt": ("gpt", B, 1), "acc": ("mlp", ACC_B, MICRO)}
 
 
-def _train(model, net, batches, loss_fn, rank, world, micro=1):
-    """Adam on this rank's contiguous slice of each batch, in `micro` micro-batches (all but the last
-    under no_sync). Returns (parameters, last gradients), each flattened into one vector."""
-    opt = torch.optim.Adam(model.parameters(), lr=LR)
-    for x, y in batches:
-        rows = x.shape[0] // world
-        xs, ys = x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]
-        opt.zero_grad()
-        for j, (xm, ym) in enumerate(zip(xs.chunk(micro), ys.chunk(micro))):
-            quiet = net.no_sync() if j < micro - 1 else contextlib.nullcontext()
-            with quiet:
-                (loss_fn(net(xm), ym) / micro).backward()
-        opt.step()
-    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    grads = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
-    return params, grads
+def _ours(strategy, comm, cap, micro):
+    return lambda model, group: Replicated(DistributedDataParallel(model, strategy=strategy, comm=comm,
+                                                                   bucket_cap_mb=cap, group=group), _adam, micro)
 
 
 def _parity_cases():
-    rank, world = dist.get_rank(), dist.get_world_size()
-    out = {}
-    for name, (build, batch, loss_fn, cap) in MODELS.items():
-        batches = [batch(B, s) for s in range(STEPS)]
-        ref = build()
-        out[name, "single"] = _train(ref, ref, batches, loss_fn, 0, 1)
-        for strategy in STRATEGIES:
-            for comm in COMMS:
-                model = build()
-                ddp = DistributedDataParallel(model, strategy=strategy, comm=comm, bucket_cap_mb=cap)
-                out[name, strategy, comm] = _train(model, ddp, batches, loss_fn, rank, world)
-        model = build()
-        out[name, "torch"] = _train(model, nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cap),
-                                    batches, loss_fn, rank, world)
-    # Gradient accumulation: 2 micro-batches under no_sync + 1 synced == one step on the full batch.
-    build, batch, loss_fn, cap = MODELS["mlp"]
-    batches = [batch(ACC_B, s) for s in range(STEPS)]
-    ref = build()
-    out["acc", "single"] = _train(ref, ref, batches, loss_fn, 0, 1)
-    for strategy in STRATEGIES:
-        for comm in COMMS:
-            model = build()
-            ddp = DistributedDataParallel(model, strategy=strategy, comm=comm, bucket_cap_mb=cap)
-            out["acc", strategy, comm] = _train(model, ddp, batches, loss_fn, rank, world, MICRO)
-    model = build()
-    out["acc", "torch"] = _train(model, nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cap),
-                                 batches, loss_fn, rank, world, MICRO)
-    return out
+    """Every strategy and comm side by side, against one process and torch DDP, after every step."""
+    exact = dist.get_world_size() <= 2
+    reports = {}
+    for case, (model, rows, micro) in PARITY_CASES.items():
+        build, batch, loss_fn, cap = MODELS[model]
+        ours = {f"{strategy}/{comm}": _ours(strategy, comm, cap, micro) for strategy in STRATEGIES for comm in COMMS}
+        theirs = lambda m, g: Replicated(nn.parallel.DistributedDataParallel(m, bucket_cap_mb=cap, process_group=g),
+                                         _adam, micro)
+        reports[case] = check_parity(build, ours, [batch(rows, s) for s in range(STEPS)], loss_fn, _adam,
+                                     tolerance=ONE_PROCESS, reference=theirs,
+                                     reference_tolerance=TORCH_DDP_EXACT if exact else TORCH_DDP)
+    return reports
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_parity_with_single_process_and_torch_ddp(world_size):
-    per_rank = launch(_parity_cases, world_size, timeout=120)
-    results = per_rank[0]
-    worst = {"single": 0.0, "torch": 0.0}
-    for key, (params, grads) in results.items():
-        for rank in range(1, world_size):   # every replica must take exactly the same step
-            other = per_rank[rank][key]
-            assert torch.equal(other[0], params) and torch.equal(other[1], grads), f"{key}: rank {rank} differs"
-        if key[1] in ("single", "torch"):
-            continue
-        for ref in ("single", "torch"):
-            ref_params, ref_grads = results[key[0], ref]
-            torch.testing.assert_close(params, ref_params, atol=TOL, rtol=0, msg=lambda m: f"{key} vs {ref}: {m}")
-            torch.testing.assert_close(grads, ref_grads, atol=TOL, rtol=0, msg=lambda m: f"{key} vs {ref}: {m}")
-            worst[ref] = max(worst[ref], (params - ref_params).abs().max().item())
-        if world_size <= 2:   # one addition a + b per element, then an exact halving: the same bits as torch
-            assert torch.equal(params, results[key[0], "torch"][0]), f"{key}: not bit-identical to torch DDP"
-    print(f"N={world_size}: largest parameter difference vs one process {worst['single']:.2e}, "
-          f"vs torch DDP {worst['torch']:.2e}")
+    reports = launch(_parity_cases, world_size, timeout=120)[0]   # check_parity raised in the ranks if not
+    assert reports.keys() == PARITY_CASES.keys()
+    against = {"single", "reference"} | ({"ranks"} if world_size > 1 else set())   # "ranks": the same bits
+    for case, report in reports.items():
+        assert report.steps == STEPS
+        assert {key[:2] for key in report.max_diff} == {(f"{s}/{c}", a) for s in STRATEGIES for c in COMMS
+                                                        for a in against}, case
+    print(f"N={world_size}: largest difference vs one process "
+          f"{max(r.worst('single') for r in reports.values()):.2e}, "
+          f"vs torch DDP {max(r.worst('reference') for r in reports.values()):.2e}")
 
 
 def _subgroup_cases():
@@ -121,26 +96,28 @@ def _subgroup_cases():
     rank = dist.get_rank()
     groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]   # every rank creates both, in order
     g = rank // 2
-    out = {}
-    for strategy, comm in (("overlapped", "backend"), ("overlapped", "ring"), ("bucketed", "ring")):
-        model = MLP(SIZES, seed=rank)                           # differs on every rank before wrapping
-        ddp = DistributedDataParallel(model, strategy=strategy, comm=comm, bucket_cap_mb=MLP_CAP,
-                                      group=groups[g])
-        batches = [regression_batch(B, SIZES[0], SIZES[-1], seed=10 * g + s) for s in range(STEPS)]
-        out[strategy, comm] = _train(model, ddp, batches, F.mse_loss, rank % 2, 2)
-    ref = MLP(SIZES, seed=2 * g)                                 # group rank 0 is global rank 2g
     batches = [regression_batch(B, SIZES[0], SIZES[-1], seed=10 * g + s) for s in range(STEPS)]
-    out["single"] = _train(ref, ref, batches, F.mse_loss, 0, 1)
-    return out
+    trained = []
+
+    def build():                                                # the baseline: group rank 0 = global rank 2g
+        trained.append(MLP(SIZES, seed=2 * g))
+        return trained[-1]
+
+    def scrambled(strategy, comm):
+        def shard(model, group):
+            model.load_state_dict(MLP(SIZES, seed=rank).state_dict())   # differs on every rank before wrapping
+            return _ours(strategy, comm, MLP_CAP, 1)(model, group)
+        return shard
+
+    cases = (("overlapped", "backend"), ("overlapped", "ring"), ("bucketed", "ring"))
+    check_parity(build, {"/".join(case): scrambled(*case) for case in cases}, batches, F.mse_loss, _adam,
+                 tolerance=ONE_PROCESS, group=groups[g])
+    return torch.cat([p.detach().reshape(-1) for p in trained[0].parameters()])   # trained by the first case
 
 
 def test_process_subgroups_average_only_within_their_group():
-    per_rank = launch(_subgroup_cases, 4, timeout=120)
-    for rank, results in enumerate(per_rank):
-        for key, (params, grads) in results.items():
-            assert torch.equal(params, per_rank[rank ^ 1][key][0]), f"{key}: ranks {rank}, {rank ^ 1} differ"
-            torch.testing.assert_close(params, results["single"][0], atol=TOL, rtol=0)
-    assert not torch.allclose(per_rank[0]["single"][0], per_rank[2]["single"][0])
+    per_rank = launch(_subgroup_cases, 4, timeout=120)   # parity within each group, checked in the ranks
+    assert not torch.allclose(per_rank[0], per_rank[2])
 
 
 # --------------------------------------------------------------------------- #
@@ -282,7 +259,7 @@ def test_unused_parameters_raise_or_are_handled_like_torch():
                     if theirs[name] is None:
                         assert ours[name] is None, f"{strategy} {comm} {use} {name}: torch leaves it None"
                     else:   # same sums in another order (torch divides before summing): few-ulp differences
-                        torch.testing.assert_close(ours[name], theirs[name], atol=TOL, rtol=0)
+                        torch.testing.assert_close(ours[name], theirs[name], atol=TORCH_DDP.atol, rtol=0)
                         assert torch.equal(ours[name], per_rank[0]["found", strategy, comm, use][0][name])
 
 
