@@ -23,10 +23,16 @@ if TYPE_CHECKING:   # ipywidgets is imported only when a widget is built
     import ipywidgets
     from matplotlib.figure import Figure
 
-__all__ = ["png", "figure_widget", "FigureView"]
+__all__ = ["png", "figure_widget", "FigureView", "COLUMN_IN", "DPI"]
+
+# Every figure the course draws fits the notebook column at its natural size: at most
+# COLUMN_IN inches wide, rendered at DPI (the inline backend's default, 100), so 760 px.
+# A wider figure is shrunk by the browser (small text); a narrower one is never stretched.
+COLUMN_IN = 7.6
+DPI = 100
 
 
-def png(figure: Figure, dpi: int = 90) -> bytes:
+def png(figure: Figure, dpi: int = DPI) -> bytes:
     """The figure rendered as PNG bytes, the form a ``widgets.Image`` shows."""
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png", dpi=dpi)
@@ -44,7 +50,7 @@ class FigureView:
 
 
 def figure_widget(controls: Mapping[str, ipywidgets.ValueWidget], redraw: Callable[..., None], figure: Figure,
-                  max_width: str = "760px", **handles: Any) -> ipywidgets.VBox:
+                  max_width: str = f"{round(COLUMN_IN * DPI)}px", **handles: Any) -> ipywidgets.VBox:
     """The controls above an image of ``figure``; a change to any control redraws the image.
 
     ``redraw`` is called with every control's current value, in the order of ``controls``, and
