@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.dtcourse-installed
 # Notebooks call `!torchrun` and `jupyter`: find the venv's copies first.
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: setup lab test exercises bench clean
+.PHONY: setup lab lab-instructor test exercises bench clean
 
 setup: $(STAMP)
 
@@ -18,14 +18,29 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]'
 	@touch $(STAMP)
 
-# --allow-root only when run as root (containers, CI boxes); ordinary users don't need it.
+# JupyterLab serves the whole course (lessons/, exercises/, solutions/) and opens the first
+# lesson. OMP_NUM_THREADS=1 gives single-process cells the thread setting the tests use, and the
+# PATH exported above puts `dtcourse` and `torchrun` in notebooks and JupyterLab's terminals.
+# .jupyter/ (see its README) turns off the news pop-up, and nbgrader's instructor tools for
+# students; `make lab-instructor` keeps those tools. --allow-root only when run as root (CI boxes).
+LAB = OMP_NUM_THREADS=1 $(VENV)/bin/jupyter lab --ServerApp.root_dir=. \
+      --LabApp.default_url=/lab/tree/lessons/00_memory.ipynb $(if $(filter 0,$(shell id -u)),--allow-root,)
+
 lab: setup
-	$(VENV)/bin/jupyter lab --notebook-dir=. $(if $(filter 0,$(shell id -u)),--allow-root,) lessons/
+	JUPYTER_CONFIG_PATH=$(CURDIR)/.jupyter/student:$(CURDIR)/.jupyter/course $(LAB)
+
+lab-instructor: setup
+	JUPYTER_CONFIG_PATH=$(CURDIR)/.jupyter/course $(LAB)
+
+# The lessons run while tests/busy.py keeps every core busy: their live measurements must
+# survive a student's loaded laptop. The solutions run on a quiet machine.
+NBVAL = --nbval-lax --nbval-current-env --nbval-cell-timeout=300 -p no:randomly
 
 test: setup
 	@$(PY) -m dtcourse.exercises --check
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q --nbval-lax --nbval-current-env --nbval-cell-timeout=300 -p no:randomly lessons solutions
+	OMP_NUM_THREADS=1 $(PY) tests/busy.py -- $(PY) -m pytest -q $(NBVAL) lessons
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(NBVAL) solutions
 
 # Regenerate the student notebooks from solutions/ (needs no nbgrader).
 exercises:

@@ -92,6 +92,27 @@ def test_untouched_exercise_scores_zero_with_a_clear_report(tmp_path, name):
     assert done.stdout.count(f"NotImplementedError: {expected.title}") == expected.checks, done.stdout
     assert "replace the `raise NotImplementedError` line" in done.stdout
     assert "Traceback" not in done.stdout
+    # the report is the first thing a student reads, not the kernel's start-up warnings
+    assert "without encryption" not in done.stdout + done.stderr, done.stderr
+
+
+def test_an_exercise_is_found_by_number_or_name_from_any_folder(tmp_path, monkeypatch):
+    from dtcourse.grading.grade import find_notebook
+
+    monkeypatch.chdir(tmp_path)                          # not the course root
+    assert find_notebook(NAME) == EXERCISE
+    assert find_notebook(NAME[:2]) == EXERCISE           # "01"
+    assert find_notebook(f"{NAME}.ipynb") == EXERCISE
+    mine = tmp_path / "mine.ipynb"
+    mine.write_text("{}")
+    assert find_notebook("mine.ipynb") == Path("mine.ipynb")   # a path that exists wins
+    with pytest.raises(FileNotFoundError, match="exercise's name or number .*01_collectives_ring"):
+        find_notebook("99")
+    with pytest.raises(FileNotFoundError, match="no file"):
+        find_notebook("some/where/01")                   # a path is never guessed at
+    done = subprocess.run([sys.executable, "-m", "dtcourse.cli", "grade", "99"], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2 and "dtcourse grade: no file 99" in done.stderr
 
 
 def test_ungradable_inputs_exit_2(tmp_path):

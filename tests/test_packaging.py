@@ -62,3 +62,45 @@ def test_lessons_are_numbered_and_each_has_a_title():
     for path in lessons:
         first = json.loads(path.read_text())["cells"][0]
         assert first["cell_type"] == "markdown" and "".join(first["source"]).startswith("# ")
+
+
+def test_every_lesson_and_exercise_says_how_long_it_takes():
+    for path in sorted(ROOT.glob("lessons/*.ipynb")) + sorted(ROOT.glob("solutions/*.ipynb")):
+        first = "".join(json.loads(path.read_text())["cells"][0]["source"])
+        assert re.search(r"About \d+ minutes", first), f"{path.name}: say 'About N minutes ...' in its first cell"
+
+
+def test_students_jupyterlab_hides_nbgrader_and_the_news_popup_and_instructors_get_nbgrader_back():
+    from jupyterlab_server.config import get_page_config
+
+    def page_config(dirs: list[str]) -> dict:
+        import os
+        from unittest import mock
+
+        with mock.patch.dict(os.environ, {"JUPYTER_CONFIG_PATH": os.pathsep.join(dirs)}):
+            return get_page_config([], os.devnull)
+
+    def server_extensions(dirs: list[str]) -> dict[str, bool]:
+        import os
+        from unittest import mock
+
+        from jupyter_server.extension.config import ExtensionConfigManager
+        from jupyter_server.serverapp import ServerApp
+
+        with mock.patch.dict(os.environ, {"JUPYTER_CONFIG_PATH": os.pathsep.join(dirs)}):
+            found = ExtensionConfigManager(read_config_path=ServerApp().config_file_paths).get_jpserver_extensions()
+        nbgrader = {name: on for name, on in found.items() if name.startswith("nbgrader")}
+        assert len(nbgrader) == 4, found
+        return nbgrader
+
+    course, student = str(ROOT / ".jupyter/course"), str(ROOT / ".jupyter/student")
+    news = "@jupyterlab/apputils-extension:announcements"
+    disabled = set(page_config([student, course]).get("disabledExtensions", []))
+    assert {"@jupyter/nbgrader", news} <= disabled
+    instructor = set(page_config([course]).get("disabledExtensions", []))
+    assert news in instructor and "@jupyter/nbgrader" not in instructor
+    # nbgrader's server extensions (the formgrader) follow the same split, read as the server reads them
+    assert not any(server_extensions([student, course]).values())
+    assert all(server_extensions([course]).values())
+    makefile = (ROOT / "Makefile").read_text()
+    assert "JUPYTER_CONFIG_PATH=$(CURDIR)/.jupyter/student:$(CURDIR)/.jupyter/course" in makefile

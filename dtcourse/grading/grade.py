@@ -2,8 +2,11 @@
 
 Usage::
 
-    python -m dtcourse.grade exercises/01_collectives_ring.ipynb
-    python -m dtcourse.grade ~/work/my_copy.ipynb --source solutions/01_collectives_ring.ipynb
+    dtcourse grade 01                          # exercises/01_collectives_ring.ipynb, from any folder
+    dtcourse grade exercises/01_collectives_ring.ipynb
+    dtcourse grade ~/work/my_copy.ipynb --source solutions/01_collectives_ring.ipynb
+
+(``python -m dtcourse.grade`` is the same command.)
 
 The steps follow nbgrader's (its preprocessor names in brackets):
 
@@ -136,7 +139,10 @@ def grade_notebook(path: str | os.PathLike, source: str | os.PathLike | None = N
         interrupt_on_timeout=True, resources={"metadata": {"path": str(path.parent.resolve())}},
         error_on_timeout={"ename": "CellTimeoutError", "traceback": [],
                           "evalue": f"the cell ran longer than {cell_timeout:g} s and was interrupted"},
-        on_cell_executed=on_cell_executed)
+        on_cell_executed=on_cell_executed,
+        # The kernel's own warnings (ipykernel's "running over TCP without encryption" on every
+        # start) would be the first line a student reads; errors still show.
+        extra_arguments=["--IPKernelApp.log_level=ERROR"])
     stopped = ""
     try:
         client.execute(**({"env": env} if env else {}))
@@ -232,9 +238,33 @@ def _determine_grade(cell: nbformat.NotebookNode, max_points: float) -> tuple[fl
     return max_points, ""
 
 
+def find_notebook(name: str | os.PathLike) -> Path:
+    """The notebook ``name`` means: a path that exists, else an exercise of the course by name or number.
+
+    ``dtcourse grade 01`` and ``dtcourse grade 01_collectives_ring`` both mean
+    ``<course>/exercises/01_collectives_ring.ipynb``, so the command works from any folder
+    (JupyterLab's terminal starts in the course root, a notebook's ``!`` in ``lessons/``).
+    """
+    path = Path(name).expanduser()
+    if path.exists():
+        return path
+    folder = exercises.ROOT / "exercises"
+    stem = path.name.removesuffix(".ipynb")
+    if (folder / f"{stem}.ipynb").exists() and not path.parent.parts:
+        return folder / f"{stem}.ipynb"
+    found = sorted(folder.glob(f"{stem}_*.ipynb")) if stem and not path.parent.parts else []
+    if len(found) == 1:
+        return found[0]
+    available = ", ".join(p.stem for p in sorted(folder.glob("*.ipynb"))) or "none"
+    why = f"{len(found)} exercises start with {stem!r}" if found else f"no file {path}"
+    raise FileNotFoundError(f"{why}. Give a notebook's path, or an exercise's name or number "
+                            f"(the course's exercises: {available}).")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dtcourse.grade", description=__doc__.split("\n")[0])
-    parser.add_argument("notebook", type=Path, help="the student's notebook")
+    parser = argparse.ArgumentParser(prog="dtcourse grade", description=__doc__.split("\n")[0])
+    parser.add_argument("notebook", help="the student's notebook: a path, or an exercise's name or "
+                                         "number (`01` means exercises/01_collectives_ring.ipynb)")
     parser.add_argument("--source", type=Path, help="the source notebook (default: solutions/<same name>)")
     parser.add_argument("--cell-timeout", type=float, default=DEFAULT_CELL_TIMEOUT,
                         help="seconds a cell may run before it is interrupted (default %(default)g)")
@@ -242,7 +272,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds each check waits for its ranks before calling it a deadlock (default 20)")
     parser.add_argument("--kernel", default="python3", help="Jupyter kernel name (default %(default)s)")
     args = parser.parse_args(argv)
-    report = grade_notebook(args.notebook, args.source, args.cell_timeout, args.check_timeout, args.kernel)
+    try:
+        notebook = find_notebook(args.notebook)
+    except FileNotFoundError as error:
+        print(f"dtcourse grade: {error}", file=sys.stderr)
+        return 2
+    report = grade_notebook(notebook, args.source, args.cell_timeout, args.check_timeout, args.kernel)
     print(report)
     return report.exit_code
 
