@@ -9,28 +9,23 @@ Everything here is measured on real tensors, then set beside a formula:
   fp32           4      4     8  (Adam m, v)             16
   mixed (bf16)   2      2     12 (fp32 master, m, v)     16
 
-  plus 4 bytes per parameter *tensor*: PyTorch's Adam keeps its step count as a
-  0-dim fp32 tensor in each parameter's state.
-* **Activations**: what autograd saves for backward, seen by a
-  ``saved_tensors_hooks`` during the forward. Each storage counts once (a tensor
-  saved twice, or a view of one saved, adds nothing). Parameters and buffers
-  saved for backward are model state, not activations; batch tensors count when
-  an op saves them. ``mlp_activation_bytes`` and ``gpt_activation_bytes`` predict
-  the count exactly; ``korthikanti_layer_bytes`` is the reference formula of
-  Korthikanti et al. 2022 (arXiv 2205.05198).
+  plus 4 bytes per parameter *tensor*: Adam's step count, a 0-dim fp32 tensor. Other
+  optimizers keep other states (``OPTIMIZER_STATE_BYTES``).
+* **Activations**: what autograd saves for backward, seen by a ``saved_tensors_hooks``
+  during the forward. Each storage counts once (a view of one saved adds nothing);
+  parameters and buffers are model state, not activations. ``mlp_activation_bytes`` and
+  ``gpt_activation_bytes`` predict the count exactly; ``korthikanti_layer_bytes`` is the
+  reference formula of Korthikanti et al. 2022 (arXiv 2205.05198).
 
 Example::
 
-    from dtcourse.memory import measure_step, predict_adam_step
-    from dtcourse.models import MLP, regression_batch
     m = measure_step(MLP(), regression_batch(64), torch.nn.functional.mse_loss)
 
-On CUDA, ``measure_step(..., device="cuda", by="allocator")`` measures the same
-step a second way, from ``torch.cuda.memory_allocated`` deltas (the caching
-allocator rounds each block up to 512 bytes, so it reads a little higher).
-Regions under ``torch.utils.checkpoint`` (non-reentrant) push their own hooks,
-so tensors they decline to save are, correctly, not counted. ``HeldBytes`` counts every
-storage alive instead (what a checkpointed step really holds, recomputed tensors included).
+These counts are bookkeeping of tensor sizes at the end of each phase, on the CPU, where
+no caching allocator rounds or keeps blocks. The *peak* of a step, temporaries included,
+is ``HeldBytes``'s: it follows every storage alive, op by op (``measure_step``'s ``mark``
+cuts its trace into phases). On CUDA, ``by="allocator"`` reads ``memory_allocated``
+deltas instead (blocks are rounded up to 512 bytes, so it reads a little higher).
 ``dtcourse.lab.memory`` draws and tabulates these numbers for lesson 00.
 """
 
@@ -49,26 +44,35 @@ from torch.utils._pytree import tree_leaves
 if TYPE_CHECKING:
     from dtcourse.models import GPTConfig
 
-__all__ = ["StepMemory", "measure_step", "storage_bytes", "SavedTensors", "ADAM_BYTES_PER_PARAM",
-           "adam_model_state_bytes", "predict_adam_step", "mlp_activation_bytes",
-           "gpt_layer_activation_bytes", "gpt_activation_bytes", "korthikanti_layer_bytes",
-           "HeldBytes"]
+__all__ = ["StepMemory", "measure_step", "PHASES", "storage_bytes", "SavedTensors", "HeldBytes", "predict_step",
+           "OPTIMIZER_STATE_BYTES", "adam_model_state_bytes", "predict_adam_step",
+           "mlp_activation_bytes", "gpt_layer_activation_bytes", "gpt_activation_bytes", "korthikanti_layer_bytes"]
 
-# bytes per parameter for (parameters, gradients, optimizer states) under Adam; K = 8 or 12.
-ADAM_BYTES_PER_PARAM = {"fp32": (4, 4, 8), "mixed": (2, 2, 12)}
-ADAM_STEP_BYTES = 4          # torch.optim.Adam's per-tensor `step`, a 0-dim fp32 tensor
+# What torch.optim keeps in `optimizer.state`, in fp32: (bytes per parameter, bytes per parameter tensor).
+OPTIMIZER_STATE_BYTES = {
+    "sgd": (0, 0),                 # SGD(momentum=0): nothing
+    "sgd_momentum": (4, 0),        # SGD(momentum > 0): momentum_buffer
+    "adam": (8, 4),                # Adam and AdamW: exp_avg, exp_avg_sq; `step`, a 0-dim fp32 tensor
+}
+# Where measure_step's ``mark`` is called, in order: the end of each phase of the step.
+PHASES = ("model", "master", "optimizer", "batch", "forward", "backward", "upcast", "step", "end")
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
 
 @dataclass(frozen=True)
 class StepMemory:
-    """Bytes held by one training step, by kind (measured or predicted)."""
+    """Bytes held by one training step, by kind (measured or predicted).
+
+    ``optimizer_states`` is ZeRO's K, so in mixed precision it includes the fp32 master weights;
+    ``master_weights`` is that part of it (0 in fp32), for tables and figures that show it apart.
+    """
 
     params: int
     grads: int
     optimizer_states: int
     activations: int
+    master_weights: int = 0
 
     KINDS = ("params", "grads", "optimizer_states", "activations")
 
@@ -103,7 +107,8 @@ class SavedTensors(torch.autograd.graph.saved_tensors_hooks):
 
     ``saved.nbytes`` sums distinct storages, leaving out the model's parameters and
     buffers. References to the saved tensors are held only inside the ``with``
-    block, so that no storage is freed and its address reused while counting.
+    block, so that no storage is freed and its address reused while counting. Regions
+    under ``torch.utils.checkpoint`` push their own hooks: what they decline to save is not counted.
     """
 
     def __init__(self, model: nn.Module | None = None):
@@ -128,69 +133,59 @@ class SavedTensors(torch.autograd.graph.saved_tensors_hooks):
             self.nbytes += t.untyped_storage().nbytes()
         return t
 
+
 def _run_step(model: nn.Module, batch: Sequence[torch.Tensor], loss_fn: LossFn,
               make_optimizer: OptimizerFactory, mixed_dtype: torch.dtype | None,
-              device: torch.device) -> tuple[StepMemory, StepMemory | None]:
-    cuda = device.type == "cuda"
-    allocated = (lambda: torch.cuda.memory_allocated(device)) if cuda else (lambda: 0)
-    a0 = allocated()
-    # The working model runs forward and backward. In mixed precision it is a
-    # 16-bit copy, and fp32 master weights (the `master` model) take the step.
+              device: torch.device, mark: Callable[[str], None]) -> StepMemory:
+    # The working model runs forward and backward; in mixed precision it is 16-bit and fp32 master weights step.
     work = copy.deepcopy(model).to(device=device, dtype=mixed_dtype)
-    a_params = allocated()
+    mark("model")
     master = work if mixed_dtype is None else copy.deepcopy(model).to(device)
-    a_master = allocated()
-    optimizer = make_optimizer(master.parameters())
-    a_fwd0 = allocated()
+    mark("master")
+    optimizer = make_optimizer(master.parameters())      # its state is allocated by the first step()
+    mark("optimizer")
     inputs, targets = (t.to(device, mixed_dtype if mixed_dtype and t.is_floating_point() else None)
                        for t in batch)
-    a_batch = allocated()
+    mark("batch")
     with SavedTensors(work) as saved:
         loss = loss_fn(work(inputs), targets)
-    a_fwd = allocated()
+    mark("forward")
     loss.backward()
     del loss
-    a_bwd = allocated()
+    mark("backward")
     grads = storage_bytes(p.grad for p in work.parameters())
     if mixed_dtype is not None:
-        # fp32 copies of the 16-bit grads, alive only for the step. (Real
-        # implementations upcast bucket by bucket to keep this transient small.)
+        # fp32 copies of the 16-bit grads for the step (real implementations upcast bucket by bucket)
         for pm, pw in zip(master.parameters(), work.parameters()):
             pm.grad = pw.grad.float()
+    mark("upcast")
     optimizer.step()
+    mark("step")
     if mixed_dtype is not None:
         with torch.no_grad():
             for pm, pw in zip(master.parameters(), work.parameters()):
                 pm.grad = None
                 pw.copy_(pm)                # the updated master weights, rounded to 16 bits
-    a_step = allocated()
+    mark("end")
     state = [t for s in optimizer.state.values() for t in s.values()]
-    masters = list(master.parameters()) if mixed_dtype is not None else []
-    counted = StepMemory(params=storage_bytes(work.parameters()), grads=grads,
-                         optimizer_states=storage_bytes(state + masters), activations=saved.nbytes)
-    if not cuda:
-        return counted, None
-    # Deltas between the marks above. The batch is moved inside the forward's
-    # window, as the tensor count includes the parts of it that ops save.
-    by_allocator = StepMemory(params=a_params - a0, grads=a_bwd - a_batch,
-                              optimizer_states=(a_step - a_bwd) + (a_master - a_params),
-                              activations=a_fwd - a_fwd0)
-    return counted, by_allocator
+    masters = storage_bytes(master.parameters()) if mixed_dtype is not None else 0
+    return StepMemory(params=storage_bytes(work.parameters()), grads=grads,
+                      optimizer_states=storage_bytes(state) + masters, activations=saved.nbytes,
+                      master_weights=masters)
 
 
 def measure_step(model: nn.Module, batch: Sequence[torch.Tensor], loss_fn: LossFn,
                  make_optimizer: OptimizerFactory = torch.optim.Adam, *,
                  mixed_dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
-                 by: str = "tensors") -> StepMemory:
+                 by: str = "tensors", mark: Callable[[str], None] | None = None) -> StepMemory:
     """Run one step, ``loss_fn(model(inputs), targets)``, backward, ``optimizer.step()``; return its bytes.
 
-    ``batch`` is ``(inputs, targets)``. The step runs on a deep copy, so ``model``
-    is left untouched. ``make_optimizer(params)`` builds the optimizer. With
-    ``mixed_dtype=torch.bfloat16`` (or float16) a 16-bit copy of the model does
-    forward and backward, and the optimizer steps fp32 master weights, which count
-    as optimizer state (ZeRO's K = 12 for Adam). ``by="tensors"`` counts the
-    tensors' bytes; ``by="allocator"`` (CUDA only) reads ``memory_allocated``
-    deltas around each phase of the same step.
+    ``batch`` is ``(inputs, targets)``; the step runs on a deep copy, leaving ``model`` untouched.
+    ``make_optimizer(params)`` builds the optimizer. With ``mixed_dtype=torch.bfloat16`` (or
+    float16) a 16-bit copy of the model does forward and backward, and the optimizer steps fp32
+    master weights, which count as optimizer state (ZeRO's K = 12 for Adam). ``by="tensors"``
+    counts the tensors' bytes, and calls ``mark(phase)`` as each phase of ``PHASES`` ends (under
+    ``HeldBytes``, to cut its trace); ``by="allocator"`` (CUDA) reads ``memory_allocated`` deltas.
     """
     device = torch.device(device)
     if by not in ("tensors", "allocator"):
@@ -198,13 +193,19 @@ def measure_step(model: nn.Module, batch: Sequence[torch.Tensor], loss_fn: LossF
     if by == "allocator" and device.type != "cuda":
         raise ValueError("measure_step: by='allocator' reads torch.cuda.memory_allocated, so it needs "
                          "device='cuda'; on CPU use by='tensors'.")
-    if device.type == "cuda":
-        # A throwaway step first: the CUDA context, cuBLAS workspaces (one per
-        # stream, and backward runs on its own thread) and allocator pools would
-        # otherwise appear inside the measured deltas.
-        _run_step(model, batch, loss_fn, make_optimizer, mixed_dtype, device)
-    counted, by_allocator = _run_step(model, batch, loss_fn, make_optimizer, mixed_dtype, device)
-    return counted if by == "tensors" else by_allocator
+    if by == "tensors":
+        return _run_step(model, batch, loss_fn, make_optimizer, mixed_dtype, device, mark or (lambda _: None))
+    # A throwaway step first: the CUDA context, cuBLAS workspaces (one per stream, and
+    # backward runs on its own thread) and allocator pools would otherwise show in the deltas.
+    _run_step(model, batch, loss_fn, make_optimizer, mixed_dtype, device, lambda _: None)
+    at = {"start": torch.cuda.memory_allocated(device)}
+    _run_step(model, batch, loss_fn, make_optimizer, mixed_dtype, device,
+              lambda phase: at.__setitem__(phase, torch.cuda.memory_allocated(device)))
+    # Deltas between the marks; the batch moves inside the forward's window, as the count includes what ops save of it.
+    master = at["master"] - at["model"]
+    return StepMemory(params=at["model"] - at["start"], grads=at["backward"] - at["batch"],
+                      optimizer_states=at["end"] - at["backward"] + master,
+                      activations=at["forward"] - at["optimizer"], master_weights=master)
 
 
 # --------------------------------------------------------------------------- #
@@ -212,17 +213,31 @@ def measure_step(model: nn.Module, batch: Sequence[torch.Tensor], loss_fn: LossF
 # --------------------------------------------------------------------------- #
 def adam_model_state_bytes(n_params: int, mixed: bool = False) -> int:
     """ZeRO's (2 + 2 + K)Ψ for mixed precision, (4 + 4 + 8)Ψ for fp32: 16Ψ both ways."""
-    return sum(ADAM_BYTES_PER_PARAM["mixed" if mixed else "fp32"]) * n_params
+    return ((2 + 2 + 12) if mixed else (4 + 4 + 8)) * n_params
+
+
+def predict_step(model: nn.Module, activations: int = 0, *, optimizer: str = "adam",
+                 mixed: bool = False) -> StepMemory:
+    """The model-state bytes a step holds for ``model`` under ``optimizer``, a key of ``OPTIMIZER_STATE_BYTES``.
+
+    fp32: 4 bytes of parameter and 4 of gradient per parameter, plus the optimizer's state.
+    Mixed: 2 + 2 in 16 bits, 4 of fp32 master weights, and the state (fp32: it steps the master).
+    """
+    if optimizer not in OPTIMIZER_STATE_BYTES:
+        raise ValueError(f"predict_step: optimizer must be one of {sorted(OPTIMIZER_STATE_BYTES)}, "
+                         f"got {optimizer!r}.")
+    params = {_storage_key(p): p for p in model.parameters()}.values()   # tied weights count once
+    n_params, n_tensors = sum(p.numel() for p in params), len(params)
+    per_param, per_tensor = OPTIMIZER_STATE_BYTES[optimizer]
+    width, master = (2, 4 * n_params) if mixed else (4, 0)
+    return StepMemory(params=width * n_params, grads=width * n_params,
+                      optimizer_states=master + per_param * n_params + per_tensor * n_tensors,
+                      activations=activations, master_weights=master)
 
 
 def predict_adam_step(model: nn.Module, activations: int = 0, *, mixed: bool = False) -> StepMemory:
     """The model-state bytes an Adam step must hold for ``model``, from the table above."""
-    params = {_storage_key(p): p for p in model.parameters()}.values()   # tied weights count once
-    n_params, n_tensors = sum(p.numel() for p in params), len(params)
-    p, g, k = ADAM_BYTES_PER_PARAM["mixed" if mixed else "fp32"]
-    return StepMemory(params=p * n_params, grads=g * n_params,
-                      optimizer_states=k * n_params + ADAM_STEP_BYTES * n_tensors,
-                      activations=activations)
+    return predict_step(model, activations, optimizer="adam", mixed=mixed)
 
 
 def mlp_activation_bytes(sizes: Sequence[int], batch_size: int, loss: str = "mse",
@@ -292,10 +307,8 @@ def korthikanti_layer_bytes(s: int, b: int, h: int, a: int) -> float:
 
 
 # --------------------------------------------------------------------------- #
-# Figure
+# Every storage alive, op by op
 # --------------------------------------------------------------------------- #
-
-
 class HeldBytes(TorchDispatchMode):
     """Within ``with HeldBytes() as held:``, the bytes of the storages that ops allocated and that are alive.
 

@@ -33,6 +33,9 @@ class Expected:
 
 
 EXPECTED = {
+    "00_memory_step_bytes": Expected(
+        "Exercise 00: memory step bytes", 11, 7,
+        frozenset({"check_optimizer_states_hidden", "check_activations_hidden"})),
     "01_collectives_ring": Expected(
         "Exercise 01: collectives ring", 14, 7,
         frozenset({"check_reduce_scatter_hidden", "check_all_gather_hidden", "check_all_reduce_hidden"})),

@@ -1,4 +1,8 @@
-"""dtcourse.memory: measured bytes of a training step equal the formulas, kind by kind."""
+"""dtcourse.memory and lesson 00's lab: measured bytes of a training step equal the formulas, kind by kind.
+
+Also the step's trace under HeldBytes (what it holds op by op, and its peak), the figures, and the
+lesson's predict-then-check problems. Everything is a few small steps on CPU.
+"""
 
 import dataclasses
 
@@ -7,10 +11,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dtcourse.memory import (SavedTensors, StepMemory, gpt_activation_bytes, gpt_layer_activation_bytes,
-                             korthikanti_layer_bytes, measure_step, mlp_activation_bytes, predict_adam_step)
-from dtcourse.lab.memory import plot_step_memory
+from dtcourse.lab import memory as lab
+from dtcourse.lab.memory import plot_step_memory, plot_step_trace, trace_step
 from dtcourse.lab.memory import table as memory_table
+from dtcourse.lab.problems import Answer
+from dtcourse.lab.widgets import COLUMN_IN
+from dtcourse.memory import (PHASES, SavedTensors, StepMemory, gpt_activation_bytes, gpt_layer_activation_bytes,
+                             korthikanti_layer_bytes, measure_step, mlp_activation_bytes, predict_adam_step,
+                             predict_step)
 from dtcourse.models import GPT, MLP, GPTConfig, classification_batch, lm_loss, regression_batch, token_batch
 
 SMALL = GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=2, d_model=16)
@@ -41,13 +49,35 @@ def test_model_states_equal_the_16_bytes_per_param_formula(which, mixed):
     assert measured.model_states == 16 * n_params + 4 * n_tensors   # 4: Adam's `step` per tensor
 
 
-def test_other_optimizers_are_measured_too():
+OPTIMIZERS = {"sgd": lambda p: torch.optim.SGD(p, lr=0.1),
+              "sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+              "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
+
+
+@pytest.mark.parametrize("mixed", [None, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+def test_every_optimizer_and_recipe_equals_its_prediction(optimizer, mixed):
     model, batch, loss_fn = _mlp_case()
+    measured = measure_step(model, batch, loss_fn, OPTIMIZERS[optimizer], mixed_dtype=mixed)
+    recipe = "adam" if optimizer == "adamw" else optimizer          # AdamW keeps Adam's state
+    predicted = predict_step(model, measured.activations, optimizer=recipe, mixed=mixed is not None)
+    assert measured == predicted                                     # every kind, master weights included
     n_params = sum(p.numel() for p in model.parameters())
-    sgd = measure_step(model, batch, loss_fn, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
-    assert sgd.optimizer_states == 4 * n_params                      # one momentum buffer
-    plain = measure_step(model, batch, loss_fn, lambda p: torch.optim.SGD(p, lr=0.1))
-    assert plain.optimizer_states == 0
+    assert measured.master_weights == (4 * n_params if mixed else 0)
+    if optimizer == "sgd_momentum":
+        assert measured.optimizer_states - measured.master_weights == 4 * n_params   # one momentum buffer
+
+
+def test_predict_step_refuses_an_optimizer_it_does_not_know():
+    with pytest.raises(ValueError, match="optimizer must be one of"):
+        predict_step(MLP((3, 2)), optimizer="lion")
+
+
+def test_measure_step_marks_every_phase_in_order():
+    model, batch, loss_fn = _mlp_case()
+    seen = []
+    measure_step(model, batch, loss_fn, mark=seen.append)
+    assert tuple(seen) == PHASES
 
 
 def test_measuring_leaves_the_callers_model_untouched():
@@ -142,10 +172,10 @@ def test_allocator_measurement_needs_cuda():
 def test_step_memory_totals():
     m = StepMemory(params=1, grads=2, optimizer_states=3, activations=4)
     assert (m.model_states, m.total) == (6, 10)
-    assert m.as_dict() == dict(params=1, grads=2, optimizer_states=3, activations=4)
+    assert m.as_dict() == dict(params=1, grads=2, optimizer_states=3, activations=4, master_weights=0)
 
 
-def test_figure_shows_the_measured_and_predicted_numbers():
+def _fp32_and_mixed_cases():
     model, batch, loss_fn = _mlp_case()
     cases = {}
     for name, mixed in (("fp32", None), ("bf16 mixed", torch.bfloat16)):
@@ -154,18 +184,123 @@ def test_figure_shows_the_measured_and_predicted_numbers():
         predicted = predict_adam_step(model, mlp_activation_bytes(model.sizes, 9, "mse", dtype),
                                       mixed=mixed is not None)
         cases[name] = (measured, predicted)
-    fig = plot_step_memory(cases, unit="KiB")
-    axes = fig.axes
-    assert len(axes) == 2
-    for ax, (name, (measured, predicted)) in zip(axes, cases.items()):
-        bars_measured, bars_predicted = ax.containers
-        assert bars_measured.get_label() == "measured" and bars_predicted.get_label() == "predicted"
-        # heights are bytes / 1024: exact in floating point, so compare exactly
-        assert [bar.get_height() * 1024 for bar in bars_measured] == list(measured.as_dict().values())
-        assert [bar.get_height() * 1024 for bar in bars_predicted] == list(predicted.as_dict().values())
-        assert name in ax.get_title()
+    return cases
+
+
+def test_figure_stacks_the_measured_kinds_and_marks_the_predicted_tops():
+    cases = _fp32_and_mixed_cases()
+    fig = plot_step_memory(cases, unit="KiB", title="a title")
+    ax, = fig.axes
+    assert fig.get_figwidth() <= COLUMN_IN and ax.get_title() == "a title"
+    labels = [c.get_label() for c in ax.containers]
+    assert labels == ["parameters", "gradients", "fp32 master weights", "optimizer states", "activations"]
+    kinds = {"parameters": lambda m: m.params, "gradients": lambda m: m.grads,
+             "fp32 master weights": lambda m: m.master_weights,
+             "optimizer states": lambda m: m.optimizer_states - m.master_weights,
+             "activations": lambda m: m.activations}
+    bottoms = [0, 0]
+    for container in ax.containers:
+        for i, (bar, (measured, _)) in enumerate(zip(container, cases.values())):
+            # heights are bytes / 1024: exact in floating point, so compare exactly
+            assert bar.get_height() * 1024 == kinds[container.get_label()](measured)
+            assert bar.get_y() * 1024 == bottoms[i]
+            bottoms[i] += bar.get_height() * 1024
+    assert bottoms == [measured.total for measured, _ in cases.values()]
+    markers, = [line for line in ax.lines if line.get_label().startswith("predicted")]
+    fp32_predicted, mixed_predicted = (predicted for _, predicted in cases.values())
+    # fp32 has no master weights, so no marker for them: 4 markers, then 5
+    assert list(markers.get_xdata()) == [0] * 4 + [1] * 5
+    tops = [y * 1024 for y in markers.get_ydata()]
+    assert tops[3] == fp32_predicted.total and tops[-1] == mixed_predicted.total
+    assert tops[6] == mixed_predicted.params + mixed_predicted.grads + mixed_predicted.master_weights
     with pytest.raises(ValueError, match="unit must be one of"):
         plot_step_memory(cases, unit="kB")
+
+
+def test_figure_leaves_out_a_kind_no_case_has():
+    fp32_only = {"fp32": _fp32_and_mixed_cases()["fp32"]}
+    ax, = plot_step_memory(fp32_only).axes
+    assert "fp32 master weights" not in [c.get_label() for c in ax.containers]
+
+
+# --------------------------------------------------------------------------- #
+# The step op by op (HeldBytes): what it holds when each phase ends, and its peak
+# --------------------------------------------------------------------------- #
+def test_trace_shows_optimizer_states_appear_in_the_first_step_and_the_fp32_grad_copy():
+    model, batch, loss_fn = _mlp_case((64, 96, 32), 4)
+    n = sum(p.numel() for p in model.parameters())
+    fp32 = trace_step(model, batch, loss_fn)
+    assert fp32.at_end("model") == 4 * n                        # copying the model is the first allocation
+    assert fp32.at_end("backward") == 8 * n                     # weights and grads; m, v not yet
+    assert fp32.at_end("end") == 16 * n                         # Adam's `step` tensors are not made by ops
+    assert fp32.counted == measure_step(model, batch, loss_fn)  # the same step as the tensor count
+    mixed = trace_step(model, batch, loss_fn, mixed_dtype=torch.bfloat16)
+    assert mixed.at_end("master") == (2 + 4) * n
+    batch16 = 2 * 4 * (64 + 32)                                 # the batch, cast to bf16 inside the step
+    assert mixed.at_end("batch") == (2 + 4) * n + batch16
+    assert mixed.at_end("upcast") == (2 + 2 + 4 + 4) * n + batch16   # + fp32 copies of the grads
+    assert mixed.at_end("step") == 20 * n + batch16             # + m and v
+    # Adam's update makes temporaries, at most two of the largest parameter at a time (single-tensor Adam)
+    assert 20 * n + batch16 < mixed.phase_peak("step") <= 20 * n + batch16 + 2 * 4 * 96 * 64
+    assert mixed.at_end("end") == 16 * n + batch16
+    assert mixed.peak == max(mixed.held) == max(mixed.phase_peak(phase) for phase in PHASES)
+
+
+def test_the_peak_of_an_activation_heavy_step_is_below_the_sum_of_the_kinds():
+    s, b = SMALL.block_size, 8
+    trace = trace_step(GPT(SMALL), token_batch(SMALL, b), lm_loss)
+    c = trace.counted
+    # At the end of the forward: the weights, the activations and the 4-byte loss, less the int64 token
+    # ids and targets, which are saved but were made before the step (outside HeldBytes).
+    assert trace.at_end("forward") == c.params + c.activations - 2 * 8 * s * b + 4
+    assert trace.at_end("forward") < trace.peak < c.total     # backward's temporaries, but never all four kinds
+    assert trace.phase_peak("backward") == trace.peak
+
+
+def test_trace_figure_draws_each_trace_with_its_phases():
+    model, batch, loss_fn = _mlp_case()
+    traces = {"fp32": trace_step(model, batch, loss_fn),
+              "bf16": trace_step(model, batch, loss_fn, mixed_dtype=torch.bfloat16)}
+    fig = plot_step_trace(traces, unit="B")
+    assert fig.get_figwidth() <= COLUMN_IN and len(fig.axes) == 2
+    for ax, (name, trace) in zip(fig.axes, traces.items()):
+        assert ax.get_title().startswith(name) and f"peak {trace.peak:,} B" in ax.get_title()
+        held, = [line for line in ax.lines if line.get_label() == "held, measured"]
+        assert list(held.get_ydata()) == list(trace.held)
+    with pytest.raises(ValueError, match="unit must be one of"):
+        plot_step_trace(traces, unit="kB")
+
+
+def test_fused_attention_saves_no_square_matrix():
+    saved = lab.attention_saved(SMALL, batch_size=3)
+    s, a = SMALL.block_size, SMALL.n_head
+    written = [shape for shape, _ in saved["written out"]]
+    assert (3, a, s, s) in written
+    assert all(shape[-2:] != (s, s) for shape, _ in saved["scaled_dot_product_attention"])
+    assert (3, a, s) in [shape for shape, _ in saved["scaled_dot_product_attention"]]   # a log-sum-exp per row
+
+
+# --------------------------------------------------------------------------- #
+# The lesson's problems: each measurement agrees with its formula, and the numbers the lesson quotes
+# --------------------------------------------------------------------------- #
+@pytest.mark.parametrize("problem, quoted", [
+    (lab.problem_sgd_momentum_step, 7_702_020),
+    (lab.problem_model_states, 4_206_608),
+    (lab.problem_attention_scores, 1_048_576),
+    (lab.problem_before_first_step, 1_643_520),
+])
+def test_problems_agree_with_their_formulas_and_the_worked_answers(problem, quoted):
+    answer = problem()
+    assert answer.agrees and answer.measured == answer.formula == quoted, answer
+    # a formula a little off would not pass: by one 4-byte step counter, or by 5%
+    for wrong in (answer.formula + 4, answer.formula * 1.05):
+        assert not Answer(answer.measured, wrong, answer.unit, answer.rtol, answer.why).agrees
+
+
+def test_problems_measure_what_they_ask_on_other_sizes():
+    assert lab.problem_attention_scores(SMALL, batch_size=3).measured == 2 * 2 * 16 * 16 * 3 * 4
+    answer = lab.problem_model_states(sizes=(5, 7, 3), mixed_dtype=torch.float16)
+    assert answer.agrees and answer.measured == 16 * (5 * 7 + 7 + 7 * 3 + 3) + 4 * 4
 
 
 # --------------------------------------------------------------------------- #
@@ -191,3 +326,10 @@ def test_table_lists_every_kind_for_every_column():
     assert lines[0].split() == ["a", "b"]
     assert lines[1].split() == ["params", "1,000", "1,000"]
     assert [line.split()[0] for line in lines[1:]] == [*StepMemory.KINDS, "model_states", "total"]
+
+
+def test_table_shows_the_master_weights_inside_the_optimizer_states():
+    mixed = StepMemory(params=2, grads=2, optimizer_states=12, activations=1, master_weights=4)
+    lines = memory_table({"fp32": StepMemory(4, 4, 8, 1), "mixed": mixed}).splitlines()
+    assert lines[3].split() == ["optimizer_states", "8", "12"]
+    assert lines[4].split() == ["of", "which", "master", "0", "4"]

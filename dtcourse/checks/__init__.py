@@ -3,6 +3,7 @@
 One module per exercise topic, all re-exported here, so a notebook writes
 ``from dtcourse.checks import check_all_reduce``:
 
+* ``dtcourse.checks.memory``: exercise 00 (the bytes of a training step, kind by kind)
 * ``dtcourse.checks.collectives``: exercise 01 (ring collectives from send/recv)
 * ``dtcourse.checks.data_parallel``: exercise 02 (bucketed, overlapped DDP)
 * ``dtcourse.checks.parameter_server``: exercise 03 (an SSP parameter server loop)
@@ -14,6 +15,7 @@ One module per exercise topic, all re-exported here, so a notebook writes
 autograder sets it (``python -m dtcourse.grade --check-timeout``).
 """
 
+from dtcourse.checks.memory import check_activations, check_model_states
 from dtcourse.checks.collectives import (FLOATS, check_all_gather, check_all_reduce, check_reduce_scatter,
                                          check_ring_exchange)
 from dtcourse.checks.data_parallel import check_bucket_assignment, check_ddp_parity, check_overlap
@@ -27,3 +29,4 @@ __all__ = ["check_ring_exchange", "check_reduce_scatter", "check_all_gather", "c
 __all__ += ["check_segment_bounds", "check_checkpoint_gradients", "check_checkpoint_memory"]
 __all__ += ["check_loss_scaler"]
 __all__ += ["check_exactly_once", "check_staleness_bound", "check_sync_parity", "check_hang"]
+__all__ += ["check_model_states", "check_activations"]
