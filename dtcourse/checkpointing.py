@@ -252,7 +252,9 @@ class SelectiveAttention(nn.Module):
     backward recomputes the rest from it.
 
     It takes over the attention's own submodules, under the same names, so the state dict
-    is unchanged, and runs the attention's own ``core`` under ``checkpoint``.
+    is unchanged, and runs the attention's own ``core`` under ``checkpoint``. (A core written
+    with ``F.scaled_dot_product_attention`` saves no s x s tensor in the first place: the fused
+    kernel recomputes the scores in backward itself, Dao et al. 2022, arXiv 2205.14135.)
     """
 
     def __init__(self, attn: CausalSelfAttention):

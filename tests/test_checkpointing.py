@@ -7,6 +7,9 @@ backward that consumes them is the very graph of the plain run. Float64 is used 
 comparison is with torch's checkpoint, float32 elsewhere; neither needs a tolerance.
 """
 
+import dataclasses
+import math
+
 import pytest
 import torch
 import torch.nn as nn
@@ -14,10 +17,11 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from torch.utils.checkpoint import checkpoint_sequential as torch_checkpoint_sequential
 
 from dtcourse.lab import checkpointing as lab
+from dtcourse.lab.widgets import COLUMN_IN
 from dtcourse.checkpointing import (Checkpointed, CheckpointedSequential, SelectiveAttention,
                                     apply_full_recomputation, apply_selective_recomputation, checkpoint,
                                     checkpoint_sequential, segment_bounds)
-from dtcourse.memory import SavedTensors
+from dtcourse.memory import HeldBytes, SavedTensors
 from dtcourse.models import GPT, GPTConfig, lm_loss, token_batch
 
 TINY_GPT = GPTConfig(vocab_size=32, block_size=16, n_layer=3, n_head=4, d_model=32, dropout=0.1)
@@ -301,3 +305,89 @@ def test_figures_and_widget_draw_the_measurements():
     assert list(box.view.curves[4].get_ydata()) == [b / 1024 for b in points[3].trace]
     with pytest.raises(ValueError, match="no measured run with segments=9"):
         box.view.show(9)
+
+
+def test_figures_fit_the_column_with_titled_panels_and_readable_legends():
+    points = lab.measure_segments(n_layers=4, width=8, batch=2, repeats=1)
+    policies = lab.measure_policies(GPTConfig(vocab_size=32, block_size=8, n_layer=1, n_head=2, d_model=8),
+                                    batch=1, repeats=1)
+    figures = [lab.plot_segments(points), lab.plot_policies(policies), lab.TraceView(points).figure]
+    titles = [ax.get_title() for fig in figures for ax in fig.axes]
+    assert all(titles) and len(set(titles)) == len(titles), titles
+    for fig in figures:
+        assert fig.get_figwidth() <= COLUMN_IN
+        for ax in fig.axes:
+            legend = ax.get_legend()
+            assert legend is None or all(t.get_fontsize() >= 8 for t in legend.get_texts())
+
+
+# --------------------------------------------------------------------------- #
+# Fused attention and save_on_cpu
+# --------------------------------------------------------------------------- #
+def test_fused_attention_saves_no_score_matrix():
+    config = GPTConfig(vocab_size=32, block_size=32, n_layer=1, n_head=4, d_model=16)
+    saved = lab.attention_saved(config, batch=2)
+    scores = 2 * 4 * 32 * 32                                    # (B, a, s, s)
+    explicit = [math.prod(shape) for shape, _ in saved["explicit"]]
+    fused = [math.prod(shape) for shape, _ in saved["fused"]]
+    assert explicit.count(scores) == 2                          # softmax's output, and att @ v's copy of it
+    assert max(fused) == 2 * 32 * 16 and len(fused) == 5        # q, k, v, output, and a log-sum-exp per row
+    assert sorted(fused)[0] == 2 * 4 * 32
+
+
+def test_save_on_cpu_counts_every_save_and_copies_nothing_on_cpu():
+    off = lab.measure_save_on_cpu(n_layers=3, width=8, batch=4)
+    unit, weight = 4 * 8 * 4, 8 * 8 * 4
+    assert off.packed == 5 * unit + 2 * weight                  # x; 2 ReLU outputs saved twice; 2 weights
+    assert off.copied == 0 and off.held_offloaded == off.held_plain == 3 * unit
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_save_on_cpu_frees_the_activations_on_a_gpu():
+    off = lab.measure_save_on_cpu(n_layers=4, width=256, batch=64, device="cuda")
+    unit, weight = 64 * 256 * 4, 256 * 256 * 4
+    assert off.copied == off.packed == 7 * unit + 3 * weight
+    assert off.held_plain - off.held_offloaded == 3 * unit     # the ReLU outputs; the output stays
+
+
+# --------------------------------------------------------------------------- #
+# Problems: each measured answer agrees with the lesson's formula; a wrong formula would not
+# --------------------------------------------------------------------------- #
+def _agrees_only_with(answer, wrong_formula):
+    assert answer.agrees, answer
+    assert not dataclasses.replace(answer, formula=wrong_formula).agrees
+
+
+def test_problem_held_after_forward():
+    answer = lab.problem_held_after_forward(n_layers=10, segments=3, width=16, batch=4)
+    assert answer.measured == 5 * 16 * 4 * 4 / 1024
+    _agrees_only_with(answer, (3 - 1 + math.ceil(10 / 3)) * 16 * 4 * 4 / 1024)   # the last segment as the longest
+
+
+def test_problem_best_segments():
+    answer = lab.problem_best_segments(n_layers=16, ratio=3, width=8, batch=32)
+    assert answer.measured == 8
+    _agrees_only_with(answer, round(math.sqrt(16)))                                # the √n rule, which assumes L = b
+
+
+def test_problem_selective_flops():
+    config = GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=2, d_model=16)
+    answer = lab.problem_selective_flops(config, batch=2)
+    _agrees_only_with(answer, 2 * 2 * 2 * 16 * 16 * 16)                           # q·kᵀ alone, without ·v
+
+
+def test_problem_save_on_cpu_bytes():
+    answer = lab.problem_save_on_cpu_bytes(n_layers=3, width=8, batch=4)
+    assert answer.measured * 1024 == 5 * 4 * 8 * 4 + 2 * 8 * 8 * 4
+    _agrees_only_with(answer, (3 * 4 * 8 * 4 + 2 * 8 * 8 * 4) / 1024)             # each storage copied once
+
+
+def test_wide_layers_hold_what_the_problem_says():
+    layers, x = lab.wide_layers(8, 8, ratio=2), torch.randn(16, 8)
+    unit = 16 * 8 * 4
+    for k in (1, 2, 4, 8):
+        with HeldBytes() as held:
+            y = checkpoint_sequential(layers, k, x)
+            assert held.now == ((k - 1) + (8 // k) * (1 + 2)) * unit, k
+        del y

@@ -21,8 +21,8 @@ from typing import Sequence
 
 import torch
 
-from dtcourse.lab.checkpointing import (measure_policies, measure_segments, mlp_layers, plot_policies,
-                                       plot_segments, predicted_step_ms)
+from dtcourse.lab.checkpointing import (attention_saved, measure_policies, measure_save_on_cpu, measure_segments,
+                                       mlp_layers, plot_policies, plot_segments, predicted_step_ms)
 from dtcourse.models import RECOMPUTE_GPT
 
 __all__ = ["main"]
@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> None:
     divisors = [p.segments for p in points if args.layers % p.segments == 0]
     reference = _torch_step_ms(args.layers, args.width, args.batch, divisors, repeats)
     predicted = predicted_step_ms(points)
-    print(f"\nSegment sweep: {args.layers} layers of Linear({args.width}) + ReLU, batch {args.batch}; "
+    print(f"\nSegment sweep: {args.layers} layers of width {args.width} ({args.layers - 1} of Linear + ReLU, "
+          f"then a Linear), batch {args.batch}; "
           f"unit = {points[0].unit / 1024:g} KiB; torch = torch.utils.checkpoint.checkpoint_sequential "
           "(timed where k divides n, where both cut the same segments)")
     head = (f"{'k':>3}{'held KiB':>10}{'predicted':>10}{'peak KiB':>10}{'recomputed':>11}{'step ms':>9}"
@@ -84,6 +85,15 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{p.policy:<10}{p.held_after_forward / 2**20:>10.2f}{p.predicted_held / 2**20:>10.2f}"
               f"{p.peak / 2**20:>10.2f}{p.step_ms:>9.1f}{p.step_ms / plain - 1:>+9.0%}"
               f"{p.predicted_overhead:>+8.0%}")
+    print("\nWhat the attention core saves for backward (same GPT, batch 4; bytes handed to a pack hook)")
+    for name, tensors in attention_saved(c, batch=4).items():
+        print(f"{name:<10}{sum(n for _, n in tensors) / 1024:>8,.0f} KiB in all, the largest "
+              f"{max(tensors, key=lambda t: t[1])[0]}")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    off = measure_save_on_cpu(4, args.width, args.batch, device=device)
+    print(f"\nsave_on_cpu on {device}, 4 layers of width {args.width}, batch {args.batch}: the forward leaves "
+          f"{off.held_plain / 1024:,.0f} KiB plain, {off.held_offloaded / 1024:,.0f} KiB offloaded; "
+          f"pack handed {off.packed / 1024:,.0f} KiB, copied {off.copied / 1024:,.0f} KiB")
     if args.out:
         policies_out = os.path.splitext(args.out)[0] + "_policies.png"
         plot_segments(points).savefig(args.out, dpi=100)

@@ -239,7 +239,7 @@ def _difference(want: torch.Tensor, got: object) -> str:
 def check_checkpoint_memory(cls: Callable, segments: int = 3, timeout: float | None = None) -> None:
     """With ``cls(*layers, segments=...)`` the stack must hold only what a checkpointed stack holds.
 
-    Twelve layers of Linear(64, 64) + ReLU on a batch of 16: after the forward, the bytes of
+    Twelve layers of width 64 (eleven of Linear + ReLU, then a Linear) on a batch of 16: after the forward, the bytes of
     tensors still alive (``memory.HeldBytes``) must be those of the
     checkpointed segments' inputs plus the last segment's layer outputs, and backward must
     run each layer of a checkpointed segment exactly once more, and the last segment's none.
@@ -255,7 +255,7 @@ def _memory_rank(cls: Callable, k: int, progress: str) -> list:
     from dtcourse.memory import HeldBytes
     from dtcourse.checkpointing import segment_bounds
     n, width, batch = 12, 64, 16
-    where = f"12 layers of Linear({width}) + ReLU, batch {batch}, segments={k}"
+    where = f"12 layers of width {width} (11 of Linear + ReLU, then a Linear), batch {batch}, segments={k}"
     Path(progress, "0").write_text(where)
     layers, x = mlp_layers(n, width), torch.randn(batch, width)
     for p in layers.parameters():
