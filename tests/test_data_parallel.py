@@ -1,4 +1,5 @@
-"""DistributedDataParallel: parity with one process and with torch DDP, no_sync, buckets, events, errors.
+"""DistributedDataParallel: parity with one process and with torch DDP, no_sync, buckets, events, errors;
+and what lesson 02's lab computes beside it (the link's fallback, FLOPs, the bucket model, the problems).
 
 The parity tests go through ``dtcourse.parity.check_parity``: after every step it compares the outputs,
 the gradients and the parameters with one process and with torch DDP, and checks that every rank holds
@@ -6,16 +7,27 @@ the same bits. Every world size runs all of its cases inside one launch, and the
 train side by side against one baseline and one torch DDP, so the file stays fast on 2 cores.
 """
 
-import pytest
-import torch
-import torch.distributed as dist
-import torch.nn as nn
-import torch.nn.functional as F
+from dataclasses import replace
 
-from dtcourse import RankError, launch
-from dtcourse.data_parallel import COMMS, STRATEGIES, DistributedDataParallel, assign_buckets
-from dtcourse.models import GPT, GPTConfig, MLP, lm_loss, regression_batch, token_batch
-from dtcourse.parity import Replicated, Tolerance, check_parity
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from dtcourse import RankError, launch  # noqa: E402
+from dtcourse.collectives import ByteCounter, predict_time  # noqa: E402
+from dtcourse.data_parallel import COMMS, STRATEGIES, DistributedDataParallel, assign_buckets  # noqa: E402
+from dtcourse.data_parallel.cost import best_bucket_count, exposed_comm, step_flops  # noqa: E402
+from dtcourse.lab import data_parallel as lab  # noqa: E402
+from dtcourse.lab.widgets import COLUMN_IN  # noqa: E402
+from dtcourse.models import GPT, GPTConfig, MLP, lm_loss, regression_batch, token_batch  # noqa: E402
+from dtcourse.parity import Replicated, Tolerance, check_parity  # noqa: E402
 
 B = 12                    # global batch, divisible by every world size tested (1-4)
 ACC_B, MICRO = 36, 3      # accumulation: 36 / (N * 3) rows per micro-batch for N = 1..4
@@ -336,3 +348,128 @@ def _strategy_from_overlap():
 
 def test_overlap_flag_picks_step_three_or_two():
     assert launch(_strategy_from_overlap, 2)[0] == ["overlapped", "bucketed", "per_parameter"]
+
+
+# --------------------------------------------------------------------------- #
+# Counting the ring's messages
+# --------------------------------------------------------------------------- #
+def _counted_ring():
+    x, y = regression_batch(6, SIZES[0], SIZES[-1], seed=dist.get_rank())
+    out = {}
+    for strategy in STRATEGIES:
+        counter = ByteCounter()
+        ddp = DistributedDataParallel(_mlp(), strategy=strategy, comm="ring", bucket_cap_mb=MLP_CAP, counter=counter)
+        F.mse_loss(ddp(x), y).backward()
+        with ddp.no_sync():
+            F.mse_loss(ddp(x), y).backward()              # sends nothing: the counter must not move
+        out[strategy] = (counter.sent, len(counter.messages), len(ddp.buckets))
+    try:
+        DistributedDataParallel(_mlp(), comm="backend", counter=ByteCounter())
+    except ValueError as err:
+        out["backend"] = str(err)
+    return out
+
+
+def test_a_counter_sees_every_ring_message_and_needs_the_ring():
+    n = 3
+    per_rank = launch(_counted_ring, n)
+    # 307 trainable elements (the frozen net.2.bias sent by no one), none divisible by 3: uneven chunks
+    S = 4 * sum(p.numel() for p in _mlp().parameters() if p.requires_grad)
+    for strategy in STRATEGIES:
+        sent = [counts[strategy][0] for counts in per_rank]
+        # each phase of a ring sends every chunk N-1 times in all, whatever their sizes
+        assert sum(sent) == 2 * (n - 1) * S, strategy
+        buckets = per_rank[0][strategy][2]
+        # one rank: all chunks but one per phase; a chunk is within one float of 1/N of its bucket
+        assert all(abs(s - 2 * (n - 1) / n * S) < 2 * 4 * buckets for s in sent)
+        assert [counts[strategy][1] for counts in per_rank] == [2 * (n - 1) * buckets] * n   # 2(N-1) per bucket
+    assert per_rank[0]["per_parameter"][2] == 5 and per_rank[0]["bucketed"][2] == 3
+    assert "needs comm='ring'" in per_rank[0]["backend"]
+
+
+# --------------------------------------------------------------------------- #
+# Lesson 02's lab: the link, the forward pass, compute beside communication, problems
+# --------------------------------------------------------------------------- #
+def test_a_noisy_fit_falls_back_to_stated_figures_and_says_so(monkeypatch):
+    monkeypatch.setattr(lab.lab_collectives, "ping_pong", lambda sizes, repeats: [(s, 1e-4) for s in sizes])
+
+    def too_noisy(samples):
+        raise ValueError("the medians are too noisy to fit")
+
+    monkeypatch.setattr(lab.lab_collectives, "fitted_model", too_noisy)
+    link = lab.fitted_link()
+    assert (link.alpha, link.beta, link.measured) == (lab.LOOPBACK.alpha, lab.LOOPBACK.beta, False)
+    assert "too noisy" in link.source and "stated" in link.source and "stated" in str(link)
+    monkeypatch.setattr(lab.lab_collectives, "fitted_model", lambda samples: (3e-5, 0.0))   # no positive beta
+    assert not lab.fitted_link().measured
+    monkeypatch.setattr(lab.lab_collectives, "fitted_model", lambda samples: (3e-5, 5e-10))
+    fitted = lab.fitted_link()
+    assert fitted.measured and fitted.bandwidth == pytest.approx(2e9) and "fitted" in fitted.source
+    with pytest.raises(ValueError, match="alpha > 0 and beta > 0"):
+        lab.Link(1e-5, -1e-9, "a negative fit")
+
+
+def test_flop_rate_counts_and_never_divides_by_a_clock_that_did_not_move(monkeypatch):
+    assert lab.counted_step_flops(GPT_CFG, 2, 8, device="meta") == lab.counted_step_flops(GPT_CFG, 2, 8) > 0
+    measured = lab.measure_flops_per_s(GPT_CFG, 2, 8, repeats=3)
+    assert measured.measured and measured.flops_per_s > 0
+    monkeypatch.setattr(lab.time, "perf_counter", lambda: 1.0)   # every pass "takes" 0 s
+    stuck = lab.measure_flops_per_s(GPT_CFG, 2, 8, repeats=3)
+    assert not stuck.measured and stuck.flops_per_s == lab.ONE_CORE.flops_per_s and "0.0 s" in stuck.source
+
+
+def test_compute_covers_the_all_reduce_from_the_hiding_batch():
+    case = lab.GPU_CASE
+    assert case.comm_s == predict_time("ring", 2 * 1.5e9, 64, 10e-6, 1 / 50e9)
+    compute = case.hiding_batch * step_flops(case.params, case.seq_len) / case.flops_per_s
+    assert compute == pytest.approx(case.comm_s)
+    assert 5 < case.hiding_batch < 6 and "(6, 6,144 tokens)" in case.row()
+
+
+def test_bucket_model_exposes_a_whole_bucket_or_only_the_last_one():
+    S, n, ab = 1e8, 4, (1e-5, 1e-9)                                  # alpha, beta
+    each = lambda k: predict_time("ring", S / k, n, *ab)              # 6 alpha + 1.5 S/k beta
+    assert exposed_comm(1, S, n, *ab, backward_s=1.0) == pytest.approx(each(1))          # nothing overlaps
+    assert exposed_comm(10, S, n, *ab, backward_s=1.0) == pytest.approx(each(10))        # the link keeps pace
+    # it cannot: the first bucket is ready at 1 ms, then ten all-reduces back to back
+    assert exposed_comm(10, S, n, *ab, backward_s=0.01) == pytest.approx(0.001 + 10 * each(10) - 0.01)
+    # keeps pace while k * 6 alpha + 1.5 S beta <= backward: k <= (0.16 - 0.15) / 6e-5 = 166.7
+    assert best_bucket_count(S, n, *ab, backward_s=0.16) == 166
+    with pytest.raises(ValueError, match="at least 1"):
+        exposed_comm(0, S, n, *ab, 1.0)
+    fig = lab.plot_bucket_model(lab.GPU_CASE, sequences=16)
+    try:
+        backward = 4 * lab.GPU_CASE.params * 16 * 1024 / lab.GPU_CASE.flops_per_s
+        assert fig.best == best_bucket_count(2 * 1.5e9, 64, 10e-6, 1 / 50e9, backward, most=500) == 101
+        assert fig.get_figwidth() <= COLUMN_IN and fig.axes[0].get_title()
+        assert all(t.get_fontsize() >= 8 for t in fig.axes[0].get_legend().get_texts())
+    finally:
+        plt.close(fig)
+
+
+def test_torch_ddp_broadcasts_every_buffer_in_forward_and_ours_sends_nothing():
+    seen = lab.forward_collectives(2, GPT_CFG)
+    assert seen["dtcourse"] == [] and seen["torch, no buffer sync"] == []
+    masks = sum(b.numel() for b in GPT(GPT_CFG).buffers())    # one 8 x 8 causal mask
+    assert sum(n for kind, n in seen["torch"] if kind == "broadcast") == masks == 64
+
+
+def test_problems_agree_with_their_formulas_and_a_wrong_formula_would_not():
+    # about 2 s on the busy 2-core machine: two launches of 3 ranks through our Python ring
+    P, p = 867_072, sum(t.numel() for t in GPT(GPT_CFG).parameters())   # the lesson's GPT; the small one
+    params = list(GPT(GPT_CFG).parameters())
+    tensors, buckets = len(params), len(assign_buckets(params, int(GPT_CAP * 2**20)))   # 17 tensors, 5 buckets
+    answers = [
+        (lab.problem_sampler_repeats(1003, 8), 1003 % 8),                  # the remainder, not the padding
+        (lab.problem_sampler_repeats(10, 4), 0),
+        (lab.problem_ring_bytes(3, GPT_CAP, GPT_CFG), 4 * p),             # S, not 2(N-1)/N S
+        (lab.problem_bucket_latency(3, bucket_cap_mb=GPT_CAP, config=GPT_CFG),
+         (tensors - buckets) * 2 * 5e-6),                                 # (N-1) alpha, not 2(N-1) alpha
+        (lab.problem_step_flops(), 2 * P * 128),                          # forward only
+        (lab.problem_hiding_tokens(), predict_time("ring", 4 * P, 8, 5e-6, 1 / 25e9) * 100e12 / (2 * P)),
+    ]
+    for answer, wrong in answers:
+        assert answer.agrees, answer
+        assert not replace(answer, formula=wrong).agrees, answer
+    assert answers[0][0].measured == 5 and answers[1][0].measured == 2 and answers[2][0].unit == "B"
+    assert answers[2][0].measured != answers[2][0].formula     # 3 does not divide every bucket: uneven chunks

@@ -72,3 +72,16 @@ def test_plot_shows_every_index_and_stars_the_padding():
             assert sum(t.endswith("*") for t in texts) == 2     # 12 slots for 10 samples
     finally:
         plt.close(fig)
+
+
+def test_plot_fits_the_notebook_column_however_many_panels():
+    from dtcourse.lab.widgets import COLUMN_IN
+
+    for n_panels in (1, 2, 3):
+        fig = plot_shards({f"epoch {e}": torch_shards(10, 4, epoch=e) for e in range(n_panels)}, 10)
+        try:
+            assert fig.get_figwidth() <= COLUMN_IN
+            assert [ax.get_title() for ax in fig.axes] == [f"epoch {e}" for e in range(n_panels)]
+            assert "10 samples on 4 ranks" in fig._suptitle.get_text()
+        finally:
+            plt.close(fig)

@@ -35,6 +35,9 @@ LONG_MODULES = {
                                        "under 100 lines, and a folder would scatter one lesson's companion",
     "dtcourse/checks/data_parallel.py": "exercise 02's three graded checks (buckets, parity, overlap) share one "
                                         "set of cases and helpers; splitting them would split the exercise",
+    "dtcourse/lab/data_parallel.py": "lesson 02's companion: shards, DDP timelines, pricing the step (fitted link "
+                                     "with its fallback, forward-pass collectives, FLOP rate, the GPU case, the "
+                                     "bucket figure) and five problems; each part under 120 lines",
     "dtcourse/lab/checkpointing.py": "lesson 05's measurements (segment sweep, recomputation policies, fused "
                                      "attention's saved tensors, save_on_cpu), the three figures drawn from "
                                      "them, and its four problems: one lesson's companion, read beside it",

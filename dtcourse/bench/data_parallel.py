@@ -142,9 +142,11 @@ def sweep_table(rows: list[dict]) -> str:
 def plot(rows: list[dict], title: str = ""):
     """Median step time against bucket cap, overlapped and torch, one panel per world size."""
     import matplotlib.pyplot as plt
+    from dtcourse.lab.widgets import COLUMN_IN
 
     worlds = sorted({r["world_size"] for r in rows})
-    fig, axes = plt.subplots(1, len(worlds), figsize=(5 * len(worlds), 3.8), squeeze=False)
+    # the notebook column's width at most, however many panels
+    fig, axes = plt.subplots(1, len(worlds), figsize=(min(COLUMN_IN, 3.8 * len(worlds)), 3.4), squeeze=False)
     for ax, n in zip(axes[0], worlds):
         for strategy, label in (("overlapped", "overlapped (dtcourse)"), (TORCH, "torch DDP")):
             mine = sorted((r for r in rows if (r["world_size"], r["strategy"]) == (n, strategy)),
@@ -163,9 +165,9 @@ def plot(rows: list[dict], title: str = ""):
         ax.set_xlabel("bucket_cap_mb (MiB)")
         slow = others.get("per_parameter")
         note = f"; per_parameter {slow['median_ms']:.0f} ms" if slow else ""
-        ax.set_title(f"N = {n}: median step time (band: IQR){note}", fontsize=10)
+        ax.set_title(f"N = {n}: median step (band: IQR){note}", fontsize=9)
     axes[0][0].set_ylabel("step time (ms)")
-    axes[0][-1].legend(fontsize=7)
+    axes[0][-1].legend(fontsize=8)
     if title:
         fig.suptitle(title, fontsize=9)
     fig.tight_layout()

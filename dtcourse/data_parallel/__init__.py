@@ -4,6 +4,8 @@
   its three strategies (per-parameter, bucketed, overlapped).
 * ``buckets.py``: ``assign_buckets``, which gradients share one all-reduce.
 * ``sampling.py``: ``DistributedSampler``'s rule rebuilt (``shard_indices``), beside torch's own.
+* ``cost.py``: a step's FLOPs beside its all-reduce (``hiding_batch``), and the bucket count that
+  overlaps best (``best_bucket_count``).
 
 Example::
 

@@ -29,7 +29,14 @@ divides by N and writes the means into ``p.grad``.
 
 ``comm="ring"`` uses ``dtcourse.collectives.ring_all_reduce``, which is
 synchronous: under ``"overlapped"`` it runs inside the hook that completes a
-bucket, so it starts as early but backward pauses while it runs.
+bucket, so it starts as early but backward pauses while it runs. With it, a
+``ByteCounter`` passed as ``counter=`` sees every message this rank sends:
+2(N-1) per bucket, 2(N-1)/N of the gradient bytes in all.
+
+The forward pass sends nothing: the buffers are copied from rank 0 once, at
+construction. torch's DDP by default also re-broadcasts them at the start of
+every forward (``broadcast_buffers``, renamed ``forward_sync_buffers`` in
+torch 2.13), one collective per step that this wrapper never makes.
 """
 
 from __future__ import annotations
@@ -44,7 +51,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed import ReduceOp
 
-from dtcourse.collectives import ring_all_reduce
+from dtcourse.collectives import ByteCounter, ring_all_reduce
 from dtcourse.data_parallel.buckets import Bucket, assign_buckets
 
 __all__ = ["DistributedDataParallel", "assign_buckets", "STRATEGIES", "COMMS"]
@@ -63,6 +70,8 @@ class DistributedDataParallel(nn.Module):
     comm: ``"backend"`` (``dist.all_reduce``) or ``"ring"`` (``dtcourse.collectives.ring_all_reduce``).
     group: the ranks to average over (None: the default group). Construction copies group rank 0's
         parameters and buffers to the others; unlike torch, buffers are not re-sent every forward.
+    counter: a ``ByteCounter`` that records every message the ring all-reduces send (``comm="ring"``
+        only: the backend's own messages are not visible from Python).
     find_unused_parameters: when False, a trainable parameter with no gradient in a synced backward
         raises (cleanly only if every rank misses the same ones; otherwise the ranks' collectives no
         longer match). When True it contributes zeros, so ranks may use different parameters, and
@@ -77,12 +86,17 @@ class DistributedDataParallel(nn.Module):
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25, overlap: bool = True,
                  group: dist.ProcessGroup | None = None, *, strategy: str | None = None,
                  comm: str = "backend", find_unused_parameters: bool = False,
-                 on_event: EventHook | None = None):
+                 on_event: EventHook | None = None, counter: ByteCounter | None = None):
         super().__init__()
         # overlap picks between steps 2 and 3, as torch users expect; strategy=
         # names any of the three steps and, when given, decides.
         strategy = strategy or ("overlapped" if overlap else "bucketed")
         _check_arguments(module, strategy, bucket_cap_mb, comm)
+        if counter is not None and comm != "ring":
+            raise ValueError("DistributedDataParallel: counter= counts the messages of our own ring, so it "
+                             f"needs comm='ring' (got comm={comm!r}); the backend's messages are not visible "
+                             "from Python.")
+        self.counter = counter
         self.module = module
         self.strategy, self.comm, self.group = strategy, comm, group
         self.find_unused_parameters = find_unused_parameters
@@ -195,7 +209,7 @@ class DistributedDataParallel(nn.Module):
     def _all_reduce_sum(self, tensor: torch.Tensor, async_op: bool) -> Any:
         """Sum ``tensor`` over the group in place; return a handle to wait on, or None if done."""
         if self.comm == "ring":   # synchronous; each rank sends 2(N-1)/N * tensor.nbytes
-            ring_all_reduce(tensor, op=ReduceOp.SUM, group=self.group)
+            ring_all_reduce(tensor, op=ReduceOp.SUM, group=self.group, counter=self.counter)
             return None
         # the backend picks its own algorithm; a ring-like one also sends ~2(N-1)/N * tensor.nbytes
         return dist.all_reduce(tensor, op=ReduceOp.SUM, group=self.group, async_op=async_op)

@@ -1,25 +1,41 @@
-"""What lesson 02 runs and draws: DistributedSampler's shards, and timelines of real DDP steps.
+"""What lesson 02 runs and draws: shards, the price of the all-reduce, timelines of real DDP steps, problems.
 
-The lesson's one-liner records real DDP steps on forked ranks and shows them::
+The lesson's one-liners record real DDP steps on forked ranks, price the gradient all-reduce on
+a fitted (or stated) link, and put it beside the step's compute::
 
-    from dtcourse.lab.data_parallel import ddp_timeline_widget
+    from dtcourse.lab.data_parallel import ddp_timeline_widget, fitted_link, GPU_CASE
     ddp_timeline_widget(world_size=2)           # a dropdown over the three strategies
+    link = fitted_link()                        # alpha, beta from a ping-pong, or stated figures
+    GPU_CASE.hiding_batch                       # sequences per GPU whose compute covers the all-reduce
 
 DDP's hiding of gradient all-reduces behind backward is Li et al., "PyTorch Distributed",
-arXiv 2006.15704.
+arXiv 2006.15704; the 6 FLOPs per parameter per token of a training step is Kaplan et al.,
+"Scaling Laws for Neural Language Models", arXiv 2001.08361.
 """
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+import math
+import os
+import statistics
+import time
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
-from dtcourse.data_parallel import STRATEGIES, DistributedDataParallel
-from dtcourse.data_parallel.sampling import padding_mask
+from dtcourse.collectives import ByteCounter, predict_time
+from dtcourse.data_parallel import STRATEGIES, DistributedDataParallel, assign_buckets
+from dtcourse.data_parallel.cost import best_bucket_count, exposed_comm, hiding_batch, step_flops
+from dtcourse.data_parallel.sampling import padding_mask, torch_shards
+from dtcourse.lab import collectives as lab_collectives
+from dtcourse.lab.problems import Answer, pretty
 from dtcourse.lab.timeline import timeline_widget
+from dtcourse.lab.widgets import COLUMN_IN
 from dtcourse.models import DDP_GPT, GPT, GPTConfig, lm_loss, token_batch
 from dtcourse.runtime.launch import launch
 from dtcourse.runtime.timeline import Recording, Span, Timeline, in_order, merge, shared_origin
@@ -28,7 +44,10 @@ if TYPE_CHECKING:
     import ipywidgets
 
 __all__ = ["ddp_spans", "OverlapSummary", "overlap_summary", "record_ddp_runs", "record_ddp_steps", "describe",
-           "ddp_timeline_widget", "plot_shards"]
+           "ddp_timeline_widget", "plot_shards", "Link", "LOOPBACK", "fitted_link", "forward_collectives",
+           "counted_step_flops", "Throughput", "measure_flops_per_s", "OverlapCase", "GPU_CASE", "plot_bucket_model",
+           "problem_sampler_repeats", "problem_ring_bytes", "problem_bucket_latency", "problem_step_flops",
+           "problem_hiding_tokens"]
 
 
 def ddp_spans(recording: Recording) -> Recording:
@@ -146,10 +165,13 @@ def record_ddp_steps(world_size: int = 2, strategy: str = "overlapped", bucket_c
     return record_ddp_runs(world_size, {strategy: run}, **kwargs)[strategy]
 
 
-def describe(label: str, recording: Recording) -> str:
-    """One line for a figure title: step time and how much all-reduce time backward hid (rank 0)."""
+def describe(label: str, recording: Recording, sep: str = "; ") -> str:
+    """A figure title: step time, then how much all-reduce time backward hid (rank 0), joined by ``sep``.
+
+    ``sep="\n"`` makes two lines, which fit a figure as wide as the notebook column.
+    """
     s = overlap_summary(recording[min(recording)])
-    return (f"{label}: step {s.step_ms:.1f} ms on rank 0; {s.launched_during_backward} of {s.all_reduces} "
+    return (f"{label}: step {s.step_ms:.1f} ms on rank 0{sep}{s.launched_during_backward} of {s.all_reduces} "
             f"all-reduces launched during backward; {100 * s.hidden_fraction:.0f}% of all-reduce time hidden")
 
 
@@ -158,7 +180,7 @@ def ddp_timeline_widget(world_size: int = 2, bucket_cap_mb: float = 1.0, comm: s
     """Record one step of each strategy on ``world_size`` ranks; a dropdown picks the timeline shown."""
     runs = record_ddp_runs(world_size, {s: {"strategy": s, "bucket_cap_mb": bucket_cap_mb, "comm": comm}
                                         for s in STRATEGIES}, **kwargs)
-    return timeline_widget(runs, {label: describe(label, rec) for label, rec in runs.items()})
+    return timeline_widget(runs, {label: describe(label, rec, "\n") for label, rec in runs.items()})
 
 
 def plot_shards(panels: dict[str, Sequence[Sequence[int]]], dataset_len: int, *, drop_last: bool = False):
@@ -170,7 +192,8 @@ def plot_shards(panels: dict[str, Sequence[Sequence[int]]], dataset_len: int, *,
     import matplotlib.pyplot as plt
     from matplotlib.patches import Rectangle
 
-    fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels) + 0.6, 2.4), squeeze=False)
+    width = min(COLUMN_IN, 3.2 * len(panels) + 0.6)           # the notebook column at most
+    fig, axes = plt.subplots(1, len(panels), figsize=(width, 2.4), squeeze=False)
     for ax, (title, shards) in zip(axes[0], panels.items()):
         mask = padding_mask(dataset_len, len(shards), drop_last=drop_last)
         for r, (indices, pads) in enumerate(zip(shards, mask)):
@@ -178,13 +201,322 @@ def plot_shards(panels: dict[str, Sequence[Sequence[int]]], dataset_len: int, *,
                 ax.add_patch(Rectangle((j, r), 0.94, 0.9, facecolor=f"C{r}", alpha=0.35 if pad else 0.8,
                                        hatch="///" if pad else None, edgecolor="k" if pad else "none"))
                 ax.text(j + 0.47, r + 0.45, f"{index}*" if pad else str(index), ha="center", va="center")
-        width = max((len(s) for s in shards), default=0)
-        ax.set(xlim=(0, max(width, 1)), ylim=(len(shards), 0), title=title, xlabel="position in the rank's epoch",
+        positions = max((len(s) for s in shards), default=0)
+        ax.set(xlim=(0, max(positions, 1)), ylim=(len(shards), 0), title=title, xlabel="position in the rank's epoch",
                yticks=[r + 0.45 for r in range(len(shards))], yticklabels=[f"rank {r}" for r in range(len(shards))])
         ax.set_xticks([])
         ax.tick_params(left=False)
         for side in ax.spines.values():
             side.set_visible(False)
-    fig.suptitle(f"{dataset_len} samples; * = padded repeat", fontsize=10)
+    ranks = len(next(iter(panels.values()), []))
+    fig.suptitle(f"DistributedSampler: {dataset_len} samples on {ranks} ranks; * = padded repeat", fontsize=10)
     fig.tight_layout()
     return fig
+
+
+# --------------------------------------------------------------------------- #
+# Section 3: the link the all-reduce is priced on, fitted here or stated
+# --------------------------------------------------------------------------- #
+@dataclass(frozen=True)
+class Link:
+    """An alpha-beta link: ``alpha`` seconds per message, ``beta`` seconds per byte, and their source.
+
+    Both are positive by construction, so ``bandwidth`` (1/beta) never divides by zero.
+    """
+
+    alpha: float
+    beta: float
+    source: str
+    measured: bool = False
+
+    def __post_init__(self) -> None:
+        if not (self.alpha > 0 and self.beta > 0 and math.isfinite(self.alpha) and math.isfinite(self.beta)):
+            raise ValueError(f"a link needs alpha > 0 and beta > 0, got alpha={self.alpha!r}, beta={self.beta!r}")
+
+    @property
+    def bandwidth(self) -> float:
+        """1/beta, bytes per second."""
+        return 1.0 / self.beta
+
+    def __str__(self) -> str:
+        return f"α = {pretty(self.alpha, 's')}, 1/β = {pretty(self.bandwidth, 'B/s')} ({self.source})"
+
+
+# Loopback TCP between two processes of one laptop: the order of magnitude the ping-pong finds on
+# the course's 2-core machine when it is quiet (tens of µs, a few GB/s). Used when the fit fails.
+LOOPBACK = Link(50e-6, 1 / 2e9, "stated, illustrative figures for loopback TCP on a laptop, not measured")
+PING_PONG_SIZES = (4, 4 << 10, 64 << 10, 256 << 10)
+
+
+def fitted_link(sizes: Sequence[int] = PING_PONG_SIZES, repeats: int = 10, fallback: Link = LOOPBACK) -> Link:
+    """alpha and beta fitted to a two-rank ping-pong (lesson 01), or ``fallback`` when that fails.
+
+    On a busy machine the medians can be too noisy to fit: ``fitted_model`` then raises a
+    ``ValueError`` (and a fit that found no positive alpha or beta is refused here too). The
+    lesson goes on with the stated figures, and ``source`` says why.
+    """
+    try:
+        alpha, beta = lab_collectives.fitted_model(lab_collectives.ping_pong(list(sizes), repeats=repeats))
+        return Link(alpha, beta, f"fitted on this machine: ping-pong medians of {repeats} round trips", True)
+    except ValueError as err:
+        return replace(fallback, source=f"{fallback.source}: the ping-pong was too noisy to fit ({err})")
+
+
+def _forward_collectives_rank(wrappers: list[str], config: GPTConfig) -> dict[str, list[tuple[str, int]]]:
+    # kineto, the profiler's engine, writes a "USDT" line at every start and stop unless its log level
+    # is above 5; it reads the level once, at its first use in the process (here: this rank)
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    from torch.profiler import ProfilerActivity, profile
+
+    idx, targets = token_batch(config, 2, min(16, config.block_size), seed=dist.get_rank())
+    takes = inspect.signature(nn.parallel.DistributedDataParallel).parameters
+    # torch 2.13 renamed broadcast_buffers to forward_sync_buffers; both mean the same
+    sync = "forward_sync_buffers" if "forward_sync_buffers" in takes else "broadcast_buffers"
+    out = {}
+    for name in wrappers:
+        model = GPT(config)
+        if name == "dtcourse":
+            wrapped = DistributedDataParallel(model)
+        else:
+            wrapped = nn.parallel.DistributedDataParallel(model, **{sync: name == "torch"})
+        for _ in range(2):   # torch re-buckets in the second step's forward: count a steady step
+            lm_loss(wrapped(idx), targets).backward()
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            wrapped(idx)
+        # the backend's own events ("gloo:broadcast", "nccl:all_reduce", ...) carry the tensor shapes
+        out[name] = [(e.name.split(":", 1)[1], math.prod(e.input_shapes[0]) if e.input_shapes else 0)
+                     for e in prof.events() if e.name.startswith(("gloo:", "nccl:"))]
+    return out
+
+
+def forward_collectives(world_size: int = 2, config: GPTConfig = DDP_GPT) -> dict[str, list[tuple[str, int]]]:
+    """The collectives that one forward (after two warm-up steps) issues on rank 0, found by torch's profiler.
+
+    Keys: ``"dtcourse"`` (our wrapper), ``"torch"`` (torch DDP's defaults) and ``"torch, no buffer
+    sync"``; values: ``(collective, elements)`` per call. By default torch broadcasts every buffer
+    from rank 0 at the start of every forward; the course GPT's buffers are its causal masks.
+    """
+    return launch(_forward_collectives_rank, world_size, ["dtcourse", "torch", "torch, no buffer sync"],
+                  config, timeout=120)[0]
+
+
+# --------------------------------------------------------------------------- #
+# Compute beside communication
+# --------------------------------------------------------------------------- #
+def counted_step_flops(config: GPTConfig = DDP_GPT, batch_size: int = 4, seq_len: int = 32,
+                       device: str = "cpu") -> int:
+    """FLOPs of one forward and backward of the course GPT, counted op by op by torch's FlopCounterMode.
+
+    On ``device="meta"`` no arithmetic runs, so a model of any size is counted in a moment.
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with torch.device(device):
+        model = GPT(config)
+    idx, targets = (t.to(device) for t in token_batch(config, batch_size, seq_len))
+    with FlopCounterMode(display=False) as counter:
+        lm_loss(model(idx), targets).backward()
+    return counter.get_total_flops()
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """FLOP/s of one rank, measured here or stated, and where the figure came from."""
+
+    flops_per_s: float
+    source: str
+    measured: bool = False
+
+
+# One laptop core in float32 on small matmuls: the order of magnitude measured on the course's
+# 2-core machine (a few GFLOP/s). Used when the timing cannot be trusted.
+ONE_CORE = Throughput(5e9, "stated, illustrative figure for one laptop core, not measured")
+
+
+@contextlib.contextmanager
+def _threads(n: int) -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def measure_flops_per_s(config: GPTConfig = DDP_GPT, batch_size: int = 4, seq_len: int = 32, repeats: int = 7,
+                        fallback: Throughput = ONE_CORE) -> Throughput:
+    """Counted FLOPs of a forward and backward over the median of ``repeats`` timed ones, on one thread
+    (as a launched rank runs). A median that is not positive falls back to ``fallback``."""
+    flops = counted_step_flops(config, batch_size, seq_len)
+    model = GPT(config)
+    idx, targets = token_batch(config, batch_size, seq_len)
+    times = []
+    with _threads(1):
+        for _ in range(repeats + 1):                 # the first one warms up the allocator
+            model.zero_grad(set_to_none=True)
+            start = time.perf_counter()
+            lm_loss(model(idx), targets).backward()
+            times.append(time.perf_counter() - start)
+    seconds = statistics.median(times[1:])
+    if not seconds > 0:                              # a clock that did not move: never divide by it
+        return replace(fallback, source=f"{fallback.source}: the timing read {seconds} s")
+    return Throughput(flops / seconds, f"measured here: {pretty(flops, 'FLOP')} counted by FlopCounterMode, "
+                                       f"median of {repeats} passes {1e3 * seconds:.1f} ms, one thread", True)
+
+
+@dataclass(frozen=True)
+class OverlapCase:
+    """A model trained on ``world_size`` ranks: one step's compute per sequence beside its all-reduce."""
+
+    name: str
+    params: float
+    seq_len: int
+    world_size: int
+    grad_bytes: int            # per parameter: 4 for float32 gradients, 2 for bf16
+    link: Link
+    flops_per_s: float
+
+    @property
+    def comm_s(self) -> float:
+        """One ring all-reduce of every gradient: 2(N-1)α + 2(N-1)/N·S·β (one bucket's latency)."""
+        return predict_time("ring", self.grad_bytes * self.params, self.world_size, self.link.alpha, self.link.beta)
+
+    @property
+    def compute_per_sequence_s(self) -> float:
+        return step_flops(self.params, self.seq_len) / self.flops_per_s
+
+    @property
+    def hiding_batch(self) -> float:
+        return hiding_batch(self.params, self.seq_len, self.flops_per_s, self.comm_s)
+
+    def row(self) -> str:
+        b = self.hiding_batch
+        return (f"{self.name}: all-reduce {pretty(self.comm_s, 's')}, compute "
+                f"{pretty(self.compute_per_sequence_s, 's')} per sequence of {self.seq_len} -> "
+                f"compute covers it from {b:.2f} sequences per rank "
+                f"({math.ceil(b)}, {math.ceil(b) * self.seq_len:,} tokens)")
+
+
+# A GPT-2 XL-sized model (1.5B parameters, Radford et al. 2019) on 64 GPUs in 8 nodes, bf16
+# gradients. All figures stated, for illustration: 400 TFLOP/s achieved per GPU (about 40% of
+# an H100's 989 TFLOP/s dense bf16 peak), one 400 Gb/s (50 GB/s) InfiniBand link per GPU.
+GPU_CASE = OverlapCase("GPT-2 XL size, 64 GPUs", 1.5e9, 1024, 64, 2,
+                       Link(10e-6, 1 / 50e9, "stated: 400 Gb/s InfiniBand per GPU"), 400e12)
+
+
+# --------------------------------------------------------------------------- #
+# How many buckets: dtcourse.data_parallel.cost's overlap model, drawn
+# --------------------------------------------------------------------------- #
+def plot_bucket_model(case: OverlapCase = GPU_CASE, sequences: int = 16, counts: Sequence[int] | None = None):
+    """Communication per step against the bucket count for ``case``: all after backward, and overlapped.
+
+    Backward is two thirds of the step's 6·P·tokens FLOPs. Returns the figure; the best count is
+    marked, and ``fig.best`` holds it.
+    """
+    import matplotlib.pyplot as plt
+
+    counts = list(counts or sorted({round(10 ** (x / 20)) for x in range(0, 55)}))   # 1 to 500
+    nbytes = case.grad_bytes * case.params
+    backward_s = 4 * case.params * sequences * case.seq_len / case.flops_per_s
+    after = [k * predict_time("ring", nbytes / k, case.world_size, case.link.alpha, case.link.beta) for k in counts]
+    model = (case.world_size, case.link.alpha, case.link.beta, backward_s)
+    exposed = [exposed_comm(k, nbytes, *model) for k in counts]
+    best = best_bucket_count(nbytes, *model, most=max(counts))
+    fig, ax = plt.subplots(figsize=(COLUMN_IN, 3.2))
+    ax.plot(counts, [1e3 * t for t in after], label="bucketed: all-reduces after backward")
+    ax.plot(counts, [1e3 * t for t in exposed], label="overlapped: left after backward")
+    ax.axhline(1e3 * backward_s, color="gray", linestyle=":", linewidth=1, label="backward")
+    t_best = exposed_comm(best, nbytes, *model)
+    ax.plot([best], [1e3 * t_best], "o", color="C1")
+    ax.annotate(f"best: {best} buckets of {pretty(nbytes / best, 'B')}", (best, 1e3 * t_best),
+                xytext=(-10, 30), textcoords="offset points", ha="right", fontsize=8,
+                arrowprops={"arrowstyle": "-", "color": "C1", "linewidth": 0.8})
+    top = 1e3 * max(1.6 * after[0], 1.2 * backward_s)              # many tiny buckets climb off the top
+    ax.set(xscale="log", xlabel="buckets per step", ylabel="communication (ms)", ylim=(0, top),
+           title=f"{case.name}, {sequences} x {case.seq_len} tokens per GPU: bucket count (α-β model)")
+    ax.title.set_fontsize(9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.best = best
+    return fig
+
+
+# --------------------------------------------------------------------------- #
+# Problems: every answer is counted (samples, bytes, messages, FLOPs), never timed
+# --------------------------------------------------------------------------- #
+def problem_sampler_repeats(dataset_len: int = 1003, world_size: int = 8) -> Answer:
+    """Samples read twice in one epoch: torch's DistributedSampler, asked once per rank, counted."""
+    shards = torch_shards(dataset_len, world_size)
+    reads = sum(len(s) for s in shards)
+    measured = reads - len({i for s in shards for i in s})
+    formula = math.ceil(dataset_len / world_size) * world_size - dataset_len
+    return Answer(measured, formula, "samples", rtol=0.0,
+                  why="exact: both sides count whole samples, and padding is the only way one repeats")
+
+
+def _ring_ddp_rank(strategies: list[str], bucket_cap_mb: float, config: GPTConfig) -> dict[str, tuple[int, int]]:
+    idx, targets = token_batch(config, 2, min(16, config.block_size), seed=dist.get_rank())
+    out = {}
+    for strategy in strategies:
+        counter = ByteCounter()
+        ddp = DistributedDataParallel(GPT(config), strategy=strategy, bucket_cap_mb=bucket_cap_mb, comm="ring",
+                                      counter=counter)
+        lm_loss(ddp(idx), targets).backward()            # one step's gradient all-reduces
+        out[strategy] = (counter.sent, len(counter.messages))
+    return out
+
+
+def _ring_counts(world_size: int, strategies: list[str], bucket_cap_mb: float,
+                 config: GPTConfig) -> dict[str, tuple[int, int]]:
+    """Bytes and messages rank 0 sent in one backward of the GPT, per strategy, through our ring."""
+    return launch(_ring_ddp_rank, world_size, strategies, bucket_cap_mb, config, timeout=120)[0]
+
+
+def problem_ring_bytes(world_size: int = 4, bucket_cap_mb: float = 1.0, config: GPTConfig = DDP_GPT) -> Answer:
+    """Bytes one rank sends to all-reduce one step's float32 gradients of the course GPT, counted."""
+    sent, _ = _ring_counts(world_size, ["overlapped"], bucket_cap_mb, config)["overlapped"]
+    params = sum(p.numel() for p in GPT(config).parameters())
+    n = world_size
+    return Answer(sent, 2 * (n - 1) / n * 4 * params, "B", rtol=1e-3,
+                  why="exact when N divides each bucket's length; otherwise the ring's chunks differ by one "
+                      "element, a few bytes per bucket")
+
+
+def problem_bucket_latency(world_size: int = 4, alpha: float = 5e-6, beta: float = 1 / 25e9,
+                           bucket_cap_mb: float = 1.0, config: GPTConfig = DDP_GPT) -> Answer:
+    """Extra communication time of one all-reduce per tensor over buckets, priced from counted messages and bytes."""
+    counts = _ring_counts(world_size, ["per_parameter", "bucketed"], bucket_cap_mb, config)
+    (bytes_pp, msgs_pp), (bytes_b, msgs_b) = counts["per_parameter"], counts["bucketed"]
+    measured = (msgs_pp - msgs_b) * alpha + (bytes_pp - bytes_b) * beta
+    params = list(GPT(config).parameters())
+    tensors, buckets = len(params), len(assign_buckets(params, int(bucket_cap_mb * 2**20)))
+    formula = (tensors - buckets) * 2 * (world_size - 1) * alpha
+    return Answer(measured, formula, "s", rtol=0.01,
+                  why="messages are counted exactly; the bytes differ only by the ring's uneven chunks, "
+                      "far under 1% of the latency difference")
+
+
+def problem_step_flops(batch_size: int = 4, seq_len: int = 32) -> Answer:
+    """FLOPs of one forward and backward of the course GPT, counted by FlopCounterMode, against 6·P·tokens."""
+    params = sum(p.numel() for p in GPT(DDP_GPT).parameters())
+    return Answer(counted_step_flops(DDP_GPT, batch_size, seq_len), step_flops(params, batch_size * seq_len),
+                  "FLOP", rtol=0.1,
+                  why="6·P counts every parameter; the embeddings (5% of P) are lookups that do no FLOPs, the "
+                      "biases and LayerNorms (1%) additions the counter leaves out, and attention's scores and "
+                      "mix (QKᵀ, AV) add 12·L·T·d per token, 4% at T = 32")
+
+
+def problem_hiding_tokens(world_size: int = 8, alpha: float = 5e-6, beta: float = 1 / 25e9,
+                          flops_per_s: float = 100e12, seq_len: int = 64) -> Answer:
+    """Tokens per rank whose compute lasts as long as the all-reduce of the course GPT's float32 gradients.
+
+    The all-reduce time is the α-β model on the stated link, on both sides; what is measured is
+    the compute per token, counted by FlopCounterMode on the real model.
+    """
+    params = sum(p.numel() for p in GPT(DDP_GPT).parameters())
+    comm_s = predict_time("ring", 4 * params, world_size, alpha, beta)
+    batch = 4
+    per_token = counted_step_flops(DDP_GPT, batch, seq_len) / (batch * seq_len)
+    return Answer(comm_s * flops_per_s / per_token, comm_s * flops_per_s / step_flops(params, 1), "tokens",
+                  rtol=0.1, why="the counted FLOPs per token differ from 6·P by the embeddings (fewer) and "
+                                "attention (more, 8% at T = 64), as in the problem before")

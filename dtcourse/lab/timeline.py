@@ -12,7 +12,7 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Mapping
 
-from dtcourse.lab.widgets import FigureView, figure_widget
+from dtcourse.lab.widgets import COLUMN_IN, FigureView, figure_widget
 from dtcourse.runtime.timeline import COMMUNICATION_KINDS, Recording, Span, in_order
 
 if TYPE_CHECKING:   # matplotlib and ipywidgets are imported only when something is drawn
@@ -50,7 +50,7 @@ class TimelineView(FigureView):
     def __init__(self, recording: Recording | None = None, xlim_ms: float | None = None, title: str = ""):
         import matplotlib.pyplot as plt
 
-        self.figure, self.ax = plt.subplots(figsize=(9.0, 3.2))
+        self.figure, self.ax = plt.subplots(figsize=(COLUMN_IN, 3.2))
         plt.close(self.figure)            # shown by the caller (or a widget), not by the inline backend
         self.xlim_ms = xlim_ms
         self.bars: list[tuple[int, Span, Any]] = []
@@ -63,7 +63,7 @@ class TimelineView(FigureView):
 
         ax, ranks = self.ax, sorted(recording)
         ax.clear()
-        self.figure.set_size_inches(9.0, 1.4 + 0.45 * 2 * len(ranks))      # two lanes per rank
+        self.figure.set_size_inches(COLUMN_IN, 1.6 + 0.45 * 2 * len(ranks))      # two lanes per rank
         self.bars, self.ticks, seen = [], {}, {}
         for r, rank in enumerate(ranks):
             spans = [s for s in recording[rank] if s.end > s.start]
@@ -87,7 +87,7 @@ class TimelineView(FigureView):
         ax.set_yticks(range(2 * len(ranks)),
                       [f"rank {rank} {lane}" for rank in ranks for lane in ("compute", "comm")], fontsize=8)
         ax.set_xlabel("time since the shared origin (ms)")
-        ax.legend(handles=[Patch(color=c, label=k) for k, c in seen.items()], fontsize=7, ncols=len(seen),
+        ax.legend(handles=[Patch(color=c, label=k) for k, c in seen.items()], fontsize=8, ncols=len(seen),
                   loc="lower center", bbox_to_anchor=(0.5, 1.0), frameon=False)
         ax.set_title(title, fontsize=9, pad=22)
         self.figure.tight_layout()
@@ -115,5 +115,4 @@ def timeline_widget(runs: Mapping[str, Recording], titles: Mapping[str, str] | N
         view.xlim_ms = longest if same_axis else None
         view.show(runs[name], titles.get(name, name))
 
-    return figure_widget({"dropdown": dropdown, "shared": shared}, redraw, view.figure, max_width="820px",
-                         view=view, runs=runs)
+    return figure_widget({"dropdown": dropdown, "shared": shared}, redraw, view.figure, view=view, runs=runs)
