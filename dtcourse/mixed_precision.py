@@ -17,29 +17,35 @@ apart that a plain fp32 step keeps together:
    multiplied by ``backoff_factor``; after ``growth_interval`` clean steps in a row S is
    multiplied by ``growth_factor``. ``StaticLossScaler`` keeps one S throughout.
 
-bf16 (Kalamkar et al. 2019, arXiv 1905.12322) has fp32's 8 exponent bits, so it needs no loss
-scaling; it trains with ``torch.autocast`` instead of a 16-bit copy (lesson 04's recipes, in
-``dtcourse.lab.mixed_precision``, compare all four). Every fp16 and bf16 number here is real: nothing is emulated, on CPU or on CUDA.
+``torch.amp``'s recipe keeps the weights themselves in fp32 instead: ``torch.autocast`` casts
+them to 16 bits op by op where that pays (matmuls), and runs the ops it lists as needing fp32's
+range in fp32 (losses; on CUDA also softmax and LayerNorm). The gradients come out fp32, the
+weights' dtype, and there is no separate master copy. bf16 (Kalamkar et al. 2019,
+arXiv 1905.12322) has fp32's 8 exponent bits, so under autocast it needs no loss scaling.
+``Recipe`` names one of these ways to train and ``Trainer`` runs its steps. Every fp16 and bf16
+number here is real: nothing is emulated, on CPU or on CUDA.
 
 Example::
 
-    from dtcourse.mixed_precision import DynamicLossScaler, MasterWeights
-    master = MasterWeights(model, torch.float16)           # model is now fp16; fp32 masters kept
-    opt, scaler = torch.optim.Adam(master.parameters()), DynamicLossScaler()
-    scaler.scale(loss_fn(model(x).float(), y)).backward()  # scaled fp16 gradients
-    master.grads_to_master(); scaler.step(opt); scaler.update(); master.master_to_model()
+    from dtcourse.mixed_precision import DynamicLossScaler, Recipe, Trainer
+    trainer = Trainer(model, Recipe(torch.float16, scaler=DynamicLossScaler), loss_fn)
+    loss = trainer.forward(x, y)        # model now fp16, fp32 masters kept; loss in fp32
+    trainer.backward(loss)              # scaled fp16 gradients
+    trainer.step()                      # to the masters, unscale, step or skip, update, round back
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.nn as nn
 
 
-__all__ = ["MasterWeights", "LossScaler", "StaticLossScaler", "DynamicLossScaler", "to_fp32", "LOW_PRECISION"]
+__all__ = ["MasterWeights", "LossScaler", "StaticLossScaler", "DynamicLossScaler", "Recipe", "Trainer", "to_fp32",
+           "LOW_PRECISION"]
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -103,9 +109,10 @@ class LossScaler:
     """
 
     def __init__(self, init_scale: float):
-        if not (math.isfinite(init_scale) and init_scale > 0):
-            raise ValueError(f"{type(self).__name__}: the scale must be a positive finite number, "
-                             f"got {init_scale!r}.")
+        # checked once rounded to fp32: 2.0**140 is finite in Python but inf as GradScaler's fp32 scale
+        if not (math.isfinite(init_scale) and math.isfinite(to_fp32(init_scale)) and to_fp32(init_scale) > 0):
+            raise ValueError(f"{type(self).__name__}: the scale must be a positive finite number in fp32 "
+                             f"(at most about 3.4e38), got {init_scale!r}.")
         self._scale = to_fp32(init_scale)
         self._found_inf: dict[int, bool] = {}   # id(optimizer) -> inf/NaN seen; present once unscaled
         self._stepped: set[int] = set()         # ids of the optimizers stepped (or skipped) this iteration
@@ -244,3 +251,84 @@ class DynamicLossScaler(LossScaler):
         self.backoff_factor = float(state_dict["backoff_factor"])
         self.growth_interval = int(state_dict["growth_interval"])
         self._growth_tracker = int(state_dict["_growth_tracker"])
+
+
+# --------------------------------------------------------------------------- #
+# A recipe, and the training step that follows it
+# --------------------------------------------------------------------------- #
+@dataclass(frozen=True)
+class Recipe:
+    """How a training step treats number formats.
+
+    ``compute`` is the dtype forward and backward run in. With ``autocast=False`` a 16-bit
+    copy of the model runs them and the optimizer steps fp32 ``MasterWeights``; with
+    ``autocast=True`` the weights stay fp32 and ``torch.autocast`` runs matmuls in ``compute``.
+    ``scaler`` builds a loss scaler (``DynamicLossScaler``, ``partial(StaticLossScaler, 2.0**10)``,
+    ``partial(torch.amp.GradScaler, "cpu")``: anything with GradScaler's methods) or is None.
+    """
+
+    compute: torch.dtype = torch.float32
+    autocast: bool = False
+    scaler: Callable[[], Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.compute not in (torch.float32, *LOW_PRECISION):
+            raise ValueError(f"Recipe: compute must be float32, float16 or bfloat16, got {self.compute}.")
+        if self.autocast and self.compute == torch.float32:
+            raise ValueError("Recipe: autocast=True needs a 16-bit compute dtype (float16 or bfloat16).")
+
+    @property
+    def copies(self) -> bool:
+        """True when a 16-bit copy of the model runs forward and backward (fp32 masters take the step)."""
+        return self.compute != torch.float32 and not self.autocast
+
+
+class Trainer:
+    """``model`` trained under ``recipe``: ``loss = forward(x, y)``, ``backward(loss)``, ``step()``.
+
+    ``loss_fn(outputs, targets)`` always sees fp32 outputs, so the softmax and the mean of the
+    loss run in fp32 whatever the recipe. ``make_optimizer(params)`` builds the optimizer over
+    the weights it steps: the model's own, or the fp32 masters of a 16-bit copy.
+    """
+
+    def __init__(self, model: nn.Module, recipe: Recipe,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] = torch.optim.Adam):
+        self.model, self.recipe, self.loss_fn = model, recipe, loss_fn
+        self.device = next(model.parameters()).device
+        self.master = MasterWeights(model, recipe.compute) if recipe.copies else None   # model now 16-bit
+        self.optimizer = make_optimizer(model.parameters() if self.master is None else self.master.parameters())
+        self.scaler = recipe.scaler() if recipe.scaler is not None else None
+        self.steps_taken = 0                            # optimizer.step() calls: a skipped step adds none
+        self.optimizer.register_step_post_hook(lambda *_: setattr(self, "steps_taken", self.steps_taken + 1))
+
+    def scale(self) -> float:
+        """The loss scale the next ``backward`` multiplies by (1 without a scaler)."""
+        return 1.0 if self.scaler is None else self.scaler.get_scale()
+
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The loss, an fp32 scalar: the model runs in ``recipe.compute``, the loss in fp32."""
+        if self.master is not None and inputs.is_floating_point():
+            inputs = inputs.to(self.recipe.compute)     # a 16-bit model takes 16-bit inputs
+        with torch.autocast(self.device.type, dtype=self.recipe.compute, enabled=self.recipe.autocast):
+            outputs = self.model(inputs)
+        return self.loss_fn(outputs.float(), targets)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward from ``loss``, multiplied by the loss scale if the recipe has a scaler."""
+        (loss if self.scaler is None else self.scaler.scale(loss)).backward()
+
+    def step(self) -> bool:
+        """Step the optimizer, or skip the step on an inf or NaN gradient; True if it stepped."""
+        if self.master is not None:
+            self.master.grads_to_master()               # 16-bit grads -> fp32, still scaled
+        before = self.steps_taken
+        if self.scaler is None:
+            self.optimizer.step()
+        else:
+            self.scaler.step(self.optimizer)            # unscale, check, step or skip
+            self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.master is not None:
+            self.master.master_to_model()               # round the masters into the 16-bit copy
+        return self.steps_taken > before
