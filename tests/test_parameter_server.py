@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from dtcourse.parameter_server import (Fault, ParameterServer, ParameterServerError, Problem, PSConfig, reference_sgd,
+from dtcourse.parameter_server import (Fault, ParameterServer, ParameterServerError, Problem, PSConfig, Quadratic, reference_sgd,
                                        shard_ranges, staleness, train)
 
 F64 = Problem(dtype=torch.float64)        # 676 parameters: not divisible by 3 servers
@@ -281,3 +281,89 @@ def test_final_parameters_train_the_model():
     before = Problem().loss(model, *Problem().eval_batch()).item()
     vector_to_parameters(run.params, model.parameters())
     assert Problem().loss(model, *Problem().eval_batch()).item() < 0.5 * before
+
+
+# --------------------------------------------------------------------------- #
+# k = N servers beside the workers: the ring's traffic per machine
+# --------------------------------------------------------------------------- #
+@pytest.mark.parametrize("workers", [3, 4])
+def test_colocated_servers_move_what_a_ring_moves(workers):
+    run = train(PSConfig(world_size=2 * workers, num_servers=workers, steps=2))
+    ranges = shard_ranges(P, workers)
+    for j, (out, into) in enumerate(run.machine_bytes()):
+        mine = ranges[j][1] - ranges[j][0]
+        # Worker j pushes every range but its own; server j sends its own range to the N-1 other workers.
+        assert out == into == 4 * ((P - mine) + (workers - 1) * mine)
+        assert abs(out - 2 * (workers - 1) / workers * 4 * P) <= 4 * workers      # 2(N-1)/N·S, up to uneven ranges
+    with pytest.raises(ValueError, match="needs k = N"):
+        train(PSConfig(world_size=3, steps=1)).machine_bytes()
+
+
+# --------------------------------------------------------------------------- #
+# What a stale gradient costs: the quadratic of the lesson's sweep
+# --------------------------------------------------------------------------- #
+def test_quadratic_bowl():
+    bowl = Quadratic(dtype=torch.float64)
+    x, y = bowl.batch(0, 1, 4)
+    assert x.shape == (bowl.rows, bowl.dim) and y.shape == (bowl.rows, 1)
+    assert torch.equal(x, bowl._data(4 * bowl.rows, seed=0)[0][bowl.rows:2 * bowl.rows])   # worker 1's slice
+    # Sync with lr 0.25 on a round bowl of curvature ~2 halves the error per step: the loss falls ~4x a step.
+    config = PSConfig(world_size=3, steps=10, lr=0.25)
+    run = train(config, bowl)
+    model = bowl.model()
+    start = bowl.loss(model, *bowl.eval_batch()).item()
+    vector_to_parameters(run.params, model.parameters())
+    assert bowl.loss(model, *bowl.eval_batch()).item() < start * 4.0 ** -7
+
+
+def test_a_stalled_worker_costs_async_and_ssp_bounds_it():
+    bowl = Quadratic(dtype=torch.float64)
+    # Worker 3 stalls once, 0.3 s, at its iteration 3; the others need a few ms per iteration.
+    base = PSConfig(world_size=5, steps=16, lr=0.25, delays=(0, 0, 0, 0.3), delay_period=16, mode="async")
+    finals = {}
+    for config in (base, dataclasses.replace(base, mode="ssp", bound=1)):
+        run = train(config, bowl)
+        model = bowl.model()
+        vector_to_parameters(run.params, model.parameters())
+        finals[config.mode] = (bowl.loss(model, *bowl.eval_batch()).item(), max(u.staleness for u in run.updates))
+    assert finals["ssp"][1] <= 1 and finals["async"][1] >= 4          # the bound holds; async's push is late
+    # The late push drags async back toward the error of iteration 3; worker 3 then finishes alone, at 1/N
+    # of a step per push. Measured ~1e-3 against ~1e-8 (and ~1e-9 with 20 steps, as in the lesson):
+    # 100x is far inside that.
+    assert finals["async"][0] > 100 * finals["ssp"][0]
+
+
+# --------------------------------------------------------------------------- #
+# What lesson 03 runs: the lab functions and problems
+# --------------------------------------------------------------------------- #
+def test_straggler_recording_puts_the_pull_in_the_communication_lane():
+    from dtcourse.lab import parameter_server as lab
+    from dtcourse.lab.timeline import timeline_widget
+
+    runs = lab.straggler_runs(world_size=3, delay=0.01, steps=3, bound=1)
+    widget = timeline_widget({name: lab.recording(r) for name, r in runs.items()})
+    widget.dropdown.value = "async"
+    assert {rank for rank, _, _ in widget.view.bars} == {1, 2}
+    lanes = {s.kind: round(bar.get_y() + bar.get_height() / 2) % 2 for _, s, bar in widget.view.bars}
+    assert lanes == {"compute": 0, "delay": 0, "recv": 1}      # compute lane 0, communication lane 1
+    assert all(w > 0 for w in lab.pull_waits(runs).values())
+
+
+@pytest.mark.parametrize("name, kwargs", [
+    ("problem_sharded_link", dict(workers=4, servers=2)),
+    ("problem_colocated_machine", dict(workers=3)),
+    ("problem_ssp_staleness", dict(bound=1, delay=0.2)),
+    ("problem_actor_staleness", dict(actors=2, pull_every=20, push_every=10, updates=3)),
+    ("problem_pull_bytes", dict(actors=2, pull_every=20, hidden=16)),
+])
+def test_each_problem_measures_what_its_formula_says(name, kwargs):
+    from dtcourse.lab import parameter_server as lab
+    from dtcourse.lab.problems import check
+
+    answer = getattr(lab, name)(**kwargs)
+    assert answer.agrees and answer.measured > 0
+    check(None, answer)
+    wrong = dataclasses.replace(answer, formula=answer.formula * 1.5 + 1)     # a worked answer with a slip
+    assert not wrong.agrees
+    with pytest.raises(AssertionError, match="more than the"):
+        check(None, wrong)

@@ -34,8 +34,8 @@ error that names it (``WorkerFailure``). ``messages.py`` says why.
 
 The files, in the order a run uses them:
 
-* ``config.py``: ``PSConfig`` (who serves, the mode, stragglers), ``Fault`` (an injected failure)
-  and ``Problem`` (the model and each worker's data).
+* ``config.py``: ``PSConfig`` (who serves, the mode, stragglers), ``Fault`` (an injected failure),
+  ``Problem`` (the model and each worker's data) and ``Quadratic`` (a least-squares bowl).
 * ``messages.py``: the protocol: key ranges (``shard_ranges``), tags, counted sends and receives
   with deadlines, a push (``Request``) and ``WorkerFailure``.
 * ``server.py``: ``ServerBase`` (a server's transport and optimizer, the base of exercise 03),
@@ -43,6 +43,10 @@ The files, in the order a run uses them:
 * ``worker.py``: ``run_worker``, a worker's pull, compute, push loop, and its ``WorkerTrace``.
 * ``job.py``: ``train`` launches the ranks and gathers a ``PSRun``; ``reference_sgd`` is the
   one-process answer that sync must match.
+* ``rpc.py``: the same server in the form of PyTorch's RPC tutorials (``rpc_train``: a remote
+  parameter holder, RRefs, distributed autograd and ``DistributedOptimizer``).
+* ``cartpole.py`` and ``actor_learner.py``: actors and a learner after Gorila and Ape-X
+  (``act_and_learn``): experience flows to the learner, parameters flow back.
 
 Example::
 
@@ -50,12 +54,12 @@ Example::
     run.params, [u.staleness for u in run.updates], run.busiest_link()
 """
 
-from dtcourse.parameter_server.config import MODES, Fault, Problem, PSConfig
+from dtcourse.parameter_server.config import MODES, Fault, Problem, PSConfig, Quadratic
 from dtcourse.parameter_server.job import ParameterServerError, PSRun, ps_rank, reference_sgd, train
 from dtcourse.parameter_server.messages import Request, WorkerFailure, shard_ranges
 from dtcourse.parameter_server.server import ParameterServer, ServerBase, ServerResult, Update, staleness
 from dtcourse.parameter_server.worker import WorkerTrace, run_worker
 
-__all__ = ["PSConfig", "Fault", "Problem", "Request", "Update", "ServerBase", "ParameterServer",
+__all__ = ["PSConfig", "Fault", "Problem", "Quadratic", "Request", "Update", "ServerBase", "ParameterServer",
            "WorkerFailure", "ParameterServerError", "WorkerTrace", "ServerResult", "PSRun", "shard_ranges",
            "staleness", "run_worker", "ps_rank", "train", "reference_sgd", "MODES"]

@@ -145,3 +145,38 @@ class Problem:
 
     def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return F.mse_loss(model(x), y)
+
+
+@dataclass(frozen=True)
+class Quadratic(Problem):
+    """Least squares on a linear model, ``y = x w*`` exactly: a quadratic bowl with its minimum at 0 loss.
+
+    The loss ``mean((x w - y)^2)`` has curvature 2 along the first feature and 2 / ``condition`` along
+    the last (feature i is scaled by ``condition ** (-i / (2 (dim - 1)))``); with ``condition=1`` the
+    bowl is round and one synchronous SGD step multiplies the error by (1 - 2 lr) in every direction.
+    A gradient computed on old parameters points back at the old, larger error, so it undoes
+    progress made since: the clearest place to watch staleness cost loss.
+    """
+
+    dim: int = 8
+    condition: float = 1.0
+
+    def model(self) -> nn.Module:
+        model = nn.Linear(self.dim, 1, bias=False).to(self.dtype)
+        nn.init.zeros_(model.weight)                   # w = 0 to start: the same on every rank
+        return model
+
+    def _data(self, rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(seed)
+        scales = self.condition ** (-torch.arange(self.dim) / (2 * (self.dim - 1)))             # (dim,)
+        x = torch.randn(rows, self.dim, generator=g) * scales                                    # (rows, dim)
+        w_star = torch.randn(self.dim, 1, generator=torch.Generator().manual_seed(self.seed))    # (dim, 1)
+        return x.to(self.dtype), (x @ w_star).to(self.dtype)                                    # (rows, 1)
+
+    def batch(self, clock: int, worker: int, num_workers: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = self._data(self.rows * num_workers, seed=clock)
+        mine = slice(worker * self.rows, (worker + 1) * self.rows)
+        return x[mine], y[mine]
+
+    def eval_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._data(256, seed=10**6)

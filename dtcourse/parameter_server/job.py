@@ -34,10 +34,11 @@ def ps_rank(config: PSConfig, problem: Problem = Problem(), server_cls: type = P
     size = dist.get_world_size(group)
     if size != config.world_size:
         raise ValueError(f"PSConfig.world_size is {config.world_size} but the process group has {size} ranks.")
+    # A server builds its shard and optimizer before the barrier, so a worker's first wait for
+    # the parameters measures the protocol, not the server's set-up.
+    server = server_cls(config, problem, group) if dist.get_rank(group) < config.num_servers else None
     dist.barrier(group=group)                            # every rank ready: the clocks start together
-    if dist.get_rank(group) < config.num_servers:
-        return server_cls(config, problem, group).serve()
-    return run_worker(config, problem, group)
+    return run_worker(config, problem, group) if server is None else server.serve()
 
 
 @dataclass
@@ -81,6 +82,21 @@ class PSRun:
         load = {r: max(sent.get(r, 0), received.get(r, 0)) for r in set(sent) | set(received)}
         rank = max(load, key=load.get)
         return rank, load[rank] / self.config.steps
+
+    def machine_bytes(self, phases: tuple[str, ...] = ("push", "pull")) -> list[tuple[float, float]]:
+        """``(out, in)`` bytes per iteration of machine j, when server j and worker j share machine j
+        (k = N servers): only messages between two machines cross a machine's link."""
+        k = self.config.num_servers
+        if k != self.config.num_workers:
+            raise ValueError(f"machine_bytes pairs server j with worker j: needs k = N, got k={k}, "
+                             f"N={self.config.num_workers}.")
+        home = [r if r < k else r - k for r in range(self.config.world_size)]       # rank -> machine
+        out, into = [0] * k, [0] * k
+        for (src, dst), nbytes in self.link_bytes(phases).items():
+            if home[src] != home[dst]:
+                out[home[src]] += nbytes
+                into[home[dst]] += nbytes
+        return [(o / self.config.steps, i / self.config.steps) for o, i in zip(out, into)]
 
     def seconds_per_iteration(self) -> list[float]:
         """Each worker's mean time per iteration, from its first pull to its last push."""
