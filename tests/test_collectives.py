@@ -1,9 +1,12 @@
-"""Naive, tree and ring collectives against torch.distributed, bit-identity across ranks, byte counts.
+"""Naive, tree and ring collectives (plain and pipelined) against torch.distributed and a float64 sum,
+bit-identity across ranks, byte and message counts, and the cost model's formulas and fit.
 
 Many cases run inside one launch per world size, so the suite stays fast on 2 cores.
 """
 
 import math
+import random
+from functools import partial
 
 import pytest
 import torch
@@ -12,8 +15,8 @@ from torch.distributed import ReduceOp
 
 from dtcourse import launch
 from dtcourse.collectives import (
-    ALGORITHMS, ByteCounter, algbw, analytic_bytes, busbw, chunk_sizes, fit_alpha_beta, predict_time,
-    ring_all_gather, ring_reduce_scatter,
+    ALGORITHMS, ByteCounter, algbw, analytic_bytes, busbw, chunk_sizes, fit_alpha_beta, predict_ring_step,
+    predict_time, ring_all_gather, ring_all_reduce, ring_reduce_scatter,
 )
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
@@ -27,13 +30,17 @@ def _rank_data(numel: int, dtype: torch.dtype, rank: int, salt: int = 0) -> torc
     return torch.randn(numel, generator=g, dtype=torch.float64).to(dtype)
 
 
+# the pipelined ring with 2 and 3 slices per chunk, beside the three plain algorithms
+VARIANTS = {**ALGORITHMS, "ring/2": partial(ring_all_reduce, slices=2), "ring/3": partial(ring_all_reduce, slices=3)}
+
+
 def _all_reduce_cases(lengths):
     """On every rank: run each algorithm on each (length, dtype, op); return results and the reference."""
     rank, world = dist.get_rank(), dist.get_world_size()
     out = {}
-    for name, algorithm in ALGORITHMS.items():
+    for name, algorithm in VARIANTS.items():
         for numel in lengths:
-            for dtype in DTYPES:
+            for dtype in DTYPES if name in ALGORITHMS else (torch.float32, torch.float16):   # slicing is dtype-blind
                 for op in (ReduceOp.SUM, ReduceOp.AVG):
                     x = _rank_data(numel, dtype, rank, salt=numel)
                     # gloo has no AVG: the reference is a float64 sum divided by N
@@ -47,16 +54,45 @@ def _all_reduce_cases(lengths):
     return out
 
 
+def _single_process_sum(numel, world, op, salt):
+    """The same data summed in one process, in float64: the reference that needs no backend."""
+    total = sum(_rank_data(numel, torch.float64, r, salt=salt) for r in range(world))
+    return total / world if op == str(ReduceOp.AVG) else total
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5])
 def test_all_reduce_matches_torch_and_is_bit_identical(world_size):
-    lengths = [1, 2, 3, 7, 64, 1001]  # smaller than N, not divisible by N, and larger
+    lengths = [1, 2, 3, 7, 64, 1001]  # fewer than N (and than N x slices), not divisible by N, larger
     per_rank = launch(_all_reduce_cases, world_size, lengths, timeout=120)
+    assert {k[0] for k in per_rank[0]} == set(VARIANTS)
     for key, (x0, ref0, _, _) in per_rank[0].items():
         name, numel, dtype, op = key
         tol = TOLERANCE[dtype] * max(1, world_size)
         torch.testing.assert_close(x0, ref0, atol=tol, rtol=tol, msg=lambda m: f"{key}: {m}")
+        # and against a float64 sum in this process, rounded once to dtype
+        torch.testing.assert_close(x0, _single_process_sum(numel, world_size, op, numel).to(dtype), atol=tol,
+                                   rtol=tol, msg=lambda m: f"{key} against one process: {m}")
         for rank in range(1, world_size):
             assert torch.equal(per_rank[rank][key][0], x0), f"{key}: rank {rank} differs from rank 0"
+
+
+def _sliced_against_plain(lengths, slices):
+    """Slicing must not change a single bit: the same additions happen in the same order."""
+    rank = dist.get_rank()
+    same = {}
+    for numel in lengths:
+        plain, sliced = _rank_data(numel, torch.float32, rank), _rank_data(numel, torch.float32, rank)
+        ring_all_reduce(plain)
+        ring_all_reduce(sliced, slices=slices)
+        same[numel] = torch.equal(plain, sliced)
+    return same
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4, 5])
+def test_pipelined_ring_is_bit_identical_to_the_plain_ring(world_size):
+    lengths = [1, world_size * 4 - 1, 1000, 4099]   # below N x slices, uneven, even, prime
+    for same in launch(_sliced_against_plain, world_size, lengths, 4):
+        assert all(same.values()), same
 
 
 def _ring_rs_ag_cases(chunk_numels):
@@ -65,9 +101,11 @@ def _ring_rs_ag_cases(chunk_numels):
     for k in chunk_numels:
         for dtype in DTYPES:
             x = _rank_data(world * k, dtype, rank, salt=k).reshape(world, k)   # 2-D input works too
-            mine = torch.empty(k, dtype=dtype)
+            mine, sliced = torch.empty(k, dtype=dtype), torch.empty(k, dtype=dtype)
             before = x.clone()
             ring_reduce_scatter(mine, x)
+            ring_reduce_scatter(sliced, x, slices=3)
+            assert torch.equal(mine, sliced), "slicing the reduce-scatter changed its result"
             assert torch.equal(x, before), "reduce-scatter must leave its input untouched"
             ref_out = torch.empty(k, dtype=torch.float64)             # reference summed in float64
             dist.reduce_scatter_tensor(ref_out, x.double().reshape(-1))
@@ -93,7 +131,9 @@ def _shape_errors():
     for call in (lambda: ring_reduce_scatter(torch.empty(3), torch.empty(10)),
                  lambda: ring_all_gather(torch.empty(10), torch.empty(3)),
                  lambda: ring_reduce_scatter(torch.empty(3), torch.empty(9, dtype=torch.float64)),
-                 lambda: ALGORITHMS["ring"](torch.ones(4), op=ReduceOp.MAX)):
+                 lambda: ALGORITHMS["ring"](torch.ones(4), op=ReduceOp.MAX),
+                 lambda: ring_all_reduce(torch.ones(4), slices=0),
+                 lambda: ring_all_reduce(torch.ones(4), slices=1.5)):
         try:
             call()
             errors.append(None)
@@ -108,11 +148,13 @@ def test_shape_and_op_errors_say_what_to_change():
     assert "output has 10 elements but must have world_size (3) x input.numel() (3) = 9" in errors[1]
     assert "dtype" in errors[2]
     assert "ReduceOp.SUM or ReduceOp.AVG" in errors[3]
+    assert "slices must be 1 (each chunk travels whole) or a whole number >= 2" in errors[4]
+    assert "got 1.5" in errors[5]
 
 
 def _count_bytes(numel):
     counts = {}
-    for name, algorithm in ALGORITHMS.items():
+    for name, algorithm in VARIANTS.items():
         counter = ByteCounter()
         algorithm(torch.ones(numel), counter=counter)
         counts[name] = (counter.sent, counter.received, len(counter.messages))
@@ -132,8 +174,11 @@ def test_byte_counters_match_the_analytic_volumes(world_size):
     # the headline numbers of lesson 01, written out
     assert per_rank[0]["ring"][0] == 2 * (n - 1) / n * s
     assert per_rank[0]["naive"][:2] == ((n - 1) * s, (n - 1) * s)
-    # ring: every rank sends 2(N-1) messages
+    # ring: every rank sends 2(N-1) messages; pipelined, each of them becomes k slices
     assert all(c["ring"][2] == 2 * (n - 1) for c in per_rank)
+    for k in (2, 3):
+        assert all(c[f"ring/{k}"][:2] == c["ring"][:2] for c in per_rank), "slicing must not change the bytes"
+        assert all(c[f"ring/{k}"][2] == 2 * (n - 1) * k for c in per_rank)
 
 
 @pytest.mark.parametrize("world_size", [3, 5])
@@ -176,9 +221,84 @@ def test_cost_model_and_bandwidth_definitions():
         busbw("broadcast", 1, 1, 2)
 
 
+def test_cost_model_with_gamma_and_the_ring_halves():
+    alpha, beta, gamma, s, n = 1e-5, 1e-9, 5e-10, 1 << 20, 4
+    ring = predict_time("ring", s, n, alpha, beta, gamma)
+    assert ring == pytest.approx(predict_time("ring", s, n, alpha, beta) + 0.75 * s * gamma)
+    rs = predict_time("ring", s, n, alpha, beta, gamma, collective="reduce_scatter")
+    ag = predict_time("ring", s, n, alpha, beta, gamma, collective="all_gather")
+    assert rs + ag == pytest.approx(ring)              # all-reduce = reduce-scatter + all-gather
+    assert predict_time("tree", s, 5, alpha, beta, gamma) == pytest.approx(6 * (alpha + s * beta) + 3 * s * gamma)
+    assert predict_time("naive", s, 4, alpha, beta, gamma) == pytest.approx(6 * (alpha + s * beta) + 3 * s * gamma)
+    with pytest.raises(ValueError, match="ring only"):
+        predict_time("tree", s, n, alpha, beta, collective="all_gather")
+    with pytest.raises(ValueError, match="unknown algorithm"):
+        predict_time("butterfly", s, n, alpha, beta)
+
+
+def test_a_sliced_step_hides_all_but_one_slice_of_the_additions():
+    alpha, beta, gamma, m = 1e-5, 1e-9, 5e-10, 1 << 22
+    plain = predict_ring_step(m, 1, alpha, beta, gamma)
+    assert plain == pytest.approx(alpha + m * beta + m * gamma)
+    for k in (2, 4, 8):   # transfer-bound (beta > gamma): k alpha + m beta + m gamma / k
+        assert predict_ring_step(m, k, alpha, beta, gamma) == pytest.approx(k * alpha + m * beta + m * gamma / k)
+    # addition-bound (adding slower than sending): the additions set the pace, one slice's transfer shows
+    slow_add, fast_link = 2 * beta, beta / 2
+    expected = alpha + m * fast_link / 4 + m * slow_add
+    assert predict_ring_step(m, 4, alpha, fast_link, slow_add) == pytest.approx(expected)
+    best = min(range(1, 200), key=lambda k: predict_ring_step(m, k, alpha, beta, gamma))
+    assert abs(best - math.sqrt(m * gamma / alpha)) <= 1     # the best k is near sqrt(m gamma / alpha)
+    with pytest.raises(ValueError, match="slices must be at least 1"):
+        predict_ring_step(m, 0, alpha, beta, gamma)
+
+
 def test_fit_alpha_beta_recovers_a_line():
     sizes = [1e3, 1e4, 1e5, 1e6]
     alpha, beta = fit_alpha_beta(sizes, [2e-5 + 3e-10 * s for s in sizes])
     assert alpha == pytest.approx(2e-5, rel=1e-6)
     assert beta == pytest.approx(3e-10, rel=1e-6)
     assert math.isfinite(alpha)
+
+
+def _noisy_samples(seed, sizes, repeats, alpha=5e-5, beta=2e-10, noise=0.3, outliers=0.1):
+    """Timings with +-noise relative jitter and a share of 10x outliers (a rank descheduled mid-message)."""
+    rng = random.Random(seed)
+    xs, ts = [], []
+    for s in sizes:
+        for _ in range(repeats):
+            t = (alpha + beta * s) * (1 + rng.uniform(-noise, noise))
+            xs.append(s)
+            ts.append(t * 10 if rng.random() < outliers else t)
+    return xs, ts
+
+
+def test_fit_alpha_beta_takes_medians_of_repeats_and_weights_by_one_over_t():
+    sizes = [4, 4 << 10, 64 << 10, 1 << 20, 4 << 20]
+    for seed in range(20):
+        alpha, beta = fit_alpha_beta(*_noisy_samples(seed, sizes, repeats=9))
+        # medians shrug off the 10x outliers; 1/t weighting keeps alpha (set by the small sizes) close
+        assert alpha == pytest.approx(5e-5, rel=0.35) and beta == pytest.approx(2e-10, rel=0.35), seed
+    # unweighted, the 4 MB point would decide alone; weighted, a 4-byte error of 20% moves alpha by about 20%
+    alpha, _ = fit_alpha_beta([4, 4, 4 << 20], [6e-5, 6e-5, 5e-5 + 2e-10 * (4 << 20)])
+    assert alpha == pytest.approx(6e-5, rel=0.05)
+
+
+def test_fit_alpha_beta_never_returns_a_non_positive_parameter():
+    # a busy machine: the largest message happened to run faster than the small ones
+    with pytest.raises(ValueError, match="beta = .* both must be positive.*too noisy"):
+        fit_alpha_beta([4, 4 << 10, 64 << 10], [3e-4, 2e-4, 1e-4])
+    # slope fine, intercept below zero (the small messages ran faster than the line through the big ones)
+    with pytest.raises(ValueError, match="alpha = -"):
+        fit_alpha_beta([1 << 20, 2 << 20, 4 << 20], [1e-4, 3e-4, 7e-4])
+    for bad in (([4], [1e-5]), ([4, 8], [1e-5, 0.0]), ([4, 8], [1e-5])):
+        with pytest.raises(ValueError):
+            fit_alpha_beta(*bad)
+    # whatever the noise, a returned fit is positive: 1/beta is a bandwidth (lesson 02 divides by beta)
+    sizes = [4, 1 << 10, 16 << 10]
+    for seed in range(200):
+        try:
+            alpha, beta = fit_alpha_beta(*_noisy_samples(seed, sizes, repeats=3, noise=0.9, outliers=0.3))
+        except ValueError as err:
+            assert "too noisy" in str(err)
+        else:
+            assert alpha > 0 and beta > 0 and math.isfinite(1 / beta)

@@ -39,6 +39,9 @@ LONG_MODULES = {
     "dtcourse/lab/data_parallel.py": "lesson 02's companion: shards, DDP timelines, pricing the step (fitted link "
                                      "with its fallback, forward-pass collectives, FLOP rate, the GPU case, the "
                                      "bucket figure) and five problems; each part under 120 lines",
+    "dtcourse/lab/collectives.py": "lesson 01 draws and measures four things (the six collectives before and "
+                                   "after, busbw of three collectives beside the fitted alpha-beta-gamma model, "
+                                   "the ring step-through widget, the four problems); each part under 150 lines",
     "dtcourse/lab/checkpointing.py": "lesson 05's measurements (segment sweep, recomputation policies, fused "
                                      "attention's saved tensors, save_on_cpu), the three figures drawn from "
                                      "them, and its four problems: one lesson's companion, read beside it",

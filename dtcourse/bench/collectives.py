@@ -1,23 +1,27 @@
-"""Benchmark: naive, tree and ring all-reduce against the backend's own, in one run.
+"""Benchmark: our all-reduces, ring reduce-scatter and ring all-gather against the backend's own, in one run.
 
-    python -m dtcourse.bench.collectives                      # 2 and 4 ranks, 4 KB .. 64 MB
-    python -m dtcourse.bench.collectives --world-sizes 4 --sizes 16M 64M
+    python -m dtcourse.bench.collectives                       # about a minute on 2 cores
+    python -m dtcourse.bench.collectives --world-sizes 4 --sizes 16M 64M --repeats 15
 
-For every world size and message size it times each algorithm (the median of
-several iterations; each iteration's time is the slowest rank's), prints
-algbw and busbw as nccl-tests defines them, the ratio of ring's busbw to the
-backend's, and saves a plot with the alpha-beta model fitted from a ping-pong
-between two ranks drawn beside the measurements.
+Every algorithm and the backend take turns, iteration by iteration, so each ring/backend
+ratio is a median of paired ratios (t_backend / t_ring = busbw_ring / busbw_backend): a
+burst of load from another program slows both sides of a pair. Each iteration counts as long
+as its slowest rank. The table gives busbw as nccl-tests defines it; the plot draws it beside
+the alpha-beta-gamma model fitted on the same machine (``dtcourse.lab.collectives.fit_link``).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import time
 
 import torch
 
-from dtcourse.lab.collectives import DEFAULT_SIZES, fitted_model, measure, ping_pong, plot, table
+from dtcourse.lab.collectives import (BACKEND, DEFAULT_SIZES, SLICES, fit_link, measure, paired_ratio, plot,
+                                      table)
+
+RING = f"ring/{SLICES}"
 
 
 def _parse_size(text: str) -> int:
@@ -29,16 +33,36 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--sizes", type=_parse_size, nargs="+", default=DEFAULT_SIZES)
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="paired iterations per size (default: 20 up to 1 MB, 8 up to 16 MB, 5 above)")
+    parser.add_argument("--headline-repeats", type=int, default=11,
+                        help="paired iterations of ring vs backend at 16 and 64 MB on 4 ranks")
     parser.add_argument("--out", default="bench-results/collectives.png")
     args = parser.parse_args(argv)
-    rows = [row for n in args.world_sizes for row in measure(n, args.sizes)]
-    alpha, beta = fitted_model(ping_pong())
-    print(f"machine: {os.cpu_count()} CPUs, torch {torch.__version__}, backend gloo")
-    print(f"ping-pong fit: alpha = {alpha * 1e6:.1f} us, 1/beta = {1 / beta / 1e9:.2f} GB/s\n")
-    print(table(rows))
+    start = time.perf_counter()
+    load = os.getloadavg()[0]
+    rows = []
+    for n in args.world_sizes:
+        rows += measure(n, args.sizes, ("naive", "tree", "ring", RING, BACKEND), iterations=args.repeats)
+        for collective in ("reduce_scatter", "all_gather"):
+            rows += measure(n, args.sizes, ("ring", BACKEND), collective=collective, iterations=args.repeats)
+    models = {n: fit_link(n) for n in args.world_sizes}
+    # the headline: ring against gloo at 16 and 64 MB on 4 ranks, with more paired repeats
+    headline = measure(4, [16 << 20, 64 << 20], ("ring", RING, BACKEND), iterations=args.headline_repeats)
+
+    print(f"machine: {os.cpu_count()} CPUs, torch {torch.__version__}, backend gloo, "
+          f"load average {load:.2f} before and {os.getloadavg()[0]:.2f} after")
+    for n, m in models.items():
+        print(f"fit on {n} ranks: alpha = {m.alpha * 1e6:.1f} us, 1/beta = {1 / m.beta / 1e9:.2f} GB/s, "
+              f"1/gamma = {1 / m.gamma / 1e9:.2f} GB/s")
+    print("\n" + table(rows))
+    print(f"\nheadline, N = 4, {args.headline_repeats} paired iterations (busbw ratio against {BACKEND}):")
+    for nbytes in (16 << 20, 64 << 20):
+        ratios = "  ".join(f"{a}: {paired_ratio(headline, a, 'all_reduce', 4, nbytes):.2f}x" for a in ("ring", RING))
+        print(f"  {nbytes >> 20:>3} MB  {ratios}")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    plot(rows, alpha, beta).savefig(args.out, dpi=120)
-    print(f"\nplot saved to {args.out}")
+    plot(rows, models).savefig(args.out, dpi=100)
+    print(f"\nplot saved to {args.out}; {time.perf_counter() - start:.0f} s in all")
 
 
 if __name__ == "__main__":
