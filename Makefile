@@ -47,11 +47,8 @@ exercises:
 	@$(if $(wildcard $(PY)),$(PY),python3) -m dtcourse.exercises
 
 bench: setup
-	OMP_NUM_THREADS=1 $(PY) -m dtcourse.bench.launch
-	OMP_NUM_THREADS=1 $(PY) -m dtcourse.bench.collectives
-	OMP_NUM_THREADS=1 $(PY) -m dtcourse.bench.data_parallel
-	OMP_NUM_THREADS=1 $(PY) -m dtcourse.bench.parameter_server
-	OMP_NUM_THREADS=1 $(PY) -m dtcourse.bench.checkpointing
+	for stem in $$($(VENV)/bin/dtcourse bench --list | sed 's/^benchmarks: //; s/,//g'); do \
+		OMP_NUM_THREADS=1 $(VENV)/bin/dtcourse bench $$stem || exit 1; done
 
 clean:
 	rm -rf $(VENV) .pytest_cache

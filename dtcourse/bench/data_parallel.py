@@ -2,7 +2,7 @@
 
     python -m dtcourse.bench.data_parallel                  # 2 and 4 ranks, strategies and a bucket sweep
     python -m dtcourse.bench.data_parallel --quick          # 2 ranks, 3 bucket sizes, a few steps
-    python -m dtcourse.bench.data_parallel --out assets/bench_ddp_buckets.png
+    python -m dtcourse.bench.data_parallel --out assets/bench_data_parallel.png
 
 Model: ``dtcourse.models.DDP_GPT`` (867k parameters, 3.3 MiB of float32 gradients); each
 rank trains on its own 4 sequences of 32 tokens with AdamW. A step is zero_grad, forward,
