@@ -109,13 +109,14 @@ class SavedTensors(torch.autograd.graph.saved_tensors_hooks):
     buffers. References to the saved tensors are held only inside the ``with``
     block, so that no storage is freed and its address reused while counting. Regions
     under ``torch.utils.checkpoint`` push their own hooks: what they decline to save is not counted.
+    With ``classify``, ``saved.by_kind[classify(t)]`` also sums each storage under its kind.
     """
 
-    def __init__(self, model: nn.Module | None = None):
+    def __init__(self, model: nn.Module | None = None, classify: Callable[[torch.Tensor], str] | None = None):
         state = [*model.parameters(), *model.buffers()] if model is not None else []
         self._excluded = {_storage_key(t) for t in state}
         self._saved: dict[tuple[str, int], torch.Tensor] = {}
-        self.nbytes = 0
+        self.nbytes, self.classify, self.by_kind = 0, classify, {}
         super().__init__(self._pack, lambda t: t)
 
     def __enter__(self) -> "SavedTensors":
@@ -129,8 +130,10 @@ class SavedTensors(torch.autograd.graph.saved_tensors_hooks):
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         key = _storage_key(t)
         if key not in self._excluded and key not in self._saved:
-            self._saved[key] = t
-            self.nbytes += t.untyped_storage().nbytes()
+            self._saved[key], nbytes = t, t.untyped_storage().nbytes()
+            self.nbytes += nbytes
+            if self.classify is not None:
+                self.by_kind[kind] = self.by_kind.get(kind := self.classify(t), 0) + nbytes
         return t
 
 
@@ -208,9 +211,7 @@ def measure_step(model: nn.Module, batch: Sequence[torch.Tensor], loss_fn: LossF
                       activations=at["forward"] - at["optimizer"], master_weights=master)
 
 
-# --------------------------------------------------------------------------- #
-# Predictions
-# --------------------------------------------------------------------------- #
+# ---- Predictions -----------------------------------------------------------
 def adam_model_state_bytes(n_params: int, mixed: bool = False) -> int:
     """ZeRO's (2 + 2 + K)Ψ for mixed precision, (4 + 4 + 8)Ψ for fp32: 16Ψ both ways."""
     return ((2 + 2 + 12) if mixed else (4 + 4 + 8)) * n_params
@@ -306,9 +307,7 @@ def korthikanti_layer_bytes(s: int, b: int, h: int, a: int) -> float:
     return s * b * h * (34 + 5 * a * s / h)
 
 
-# --------------------------------------------------------------------------- #
-# Every storage alive, op by op
-# --------------------------------------------------------------------------- #
+# ---- Every storage alive, op by op -----------------------------------------
 class HeldBytes(TorchDispatchMode):
     """Within ``with HeldBytes() as held:``, the bytes of the storages that ops allocated and that are alive.
 

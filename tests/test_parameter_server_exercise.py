@@ -47,30 +47,15 @@ class AsyncServer(ServerBase):
 '''
 
 # Answers only when every worker has pushed the round: a barrier, correct for s = 0 and a straggler's
-# pace for any bound, so fast workers never run ahead.
-BARRIER = '''
-class AsyncServer(ServerBase):
-    def serve(self):
-        n = self.num_workers
-        clock, waiting, owed = [0] * n, set(range(n)), {}
-        while min(clock) < self.steps:
-            if len(waiting) == n:                  # the barrier: answer only once every worker has pushed
-                for u in sorted(waiting):
-                    self.reply(u)
-                    owed[u] = time.perf_counter()
-                waiting.clear()
-            request = self.next_request(owed)
-            w = request.worker
-            del owed[w]
-            late = staleness(self.version, request.read_version, request.clock)
-            self.apply(request.grad / n)
-            clock[w] += 1
-            self.version = max(self.version, clock[w])
-            self.record(request, late)
-            if clock[w] < self.steps:
-                waiting.add(w)
-        return self.finish()
-'''
+# pace for any bound, so fast workers never run ahead. NO_BOUND with one condition added.
+_ANSWER_ALL = """            for u in sorted(waiting):
+                self.reply(u)
+                owed[u] = time.perf_counter()
+            waiting.clear()
+"""
+assert _ANSWER_ALL in NO_BOUND
+BARRIER = NO_BOUND.replace(_ANSWER_ALL, "            if len(waiting) == n:     # the barrier: answer only once every worker has pushed\n"
+                           + "".join("    " + line + "\n" for line in _ANSWER_ALL.splitlines()))
 
 
 # --------------------------------------------------------------------------- #

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING, Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -425,29 +425,20 @@ def plot_loss_curves(runs: Mapping[str, TrainingRun], smooth: int = 10, *, title
 SAVED_KINDS = ("fp32 activations", "16-bit activations", "16-bit weight copies", "integers")
 
 
-class _SavedByKind(SavedTensors):
-    """``memory.SavedTensors``, with each storage it counts also filed under one of ``SAVED_KINDS``."""
+def _saved_kind(model: nn.Module) -> Callable[[torch.Tensor], str]:
+    """Which of ``SAVED_KINDS`` a saved tensor is: a 16-bit tensor equal to a weight is its autocast copy."""
+    weights = [p.detach() for p in model.parameters()]
 
-    def __init__(self, model: nn.Module):
-        super().__init__(model)
-        self.kinds = dict.fromkeys(SAVED_KINDS, 0)
-        self._weights = [p.detach() for p in model.parameters()]
-
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        before = self.nbytes
-        out = super()._pack(t)
-        if self.nbytes > before:                                  # a storage not seen before
-            self.kinds[self._kind(t)] += self.nbytes - before
-        return out
-
-    def _kind(self, t: torch.Tensor) -> str:
+    def kind(t: torch.Tensor) -> str:
         if not t.is_floating_point():
             return "integers"
         if t.dtype == torch.float32:
             return "fp32 activations"
         whole = t.as_strided((t.untyped_storage().nbytes() // t.itemsize,), (1,), 0)   # the storage, flat
-        copy = any(w.numel() == whole.numel() and torch.equal(w.flatten().to(t.dtype), whole) for w in self._weights)
+        copy = any(w.numel() == whole.numel() and torch.equal(w.flatten().to(t.dtype), whole) for w in weights)
         return "16-bit weight copies" if copy else "16-bit activations"
+
+    return kind
 
 
 @dataclass(frozen=True)
@@ -477,7 +468,7 @@ def recipe_memory(recipe: Recipe | str, config: GPTConfig = GPTConfig(), batch_s
     model = GPT(config, seed=seed)
     trainer = Trainer(model, recipe, lm_loss)                    # a copy recipe makes the model 16-bit here
     x, y = token_batch(config, batch_size, seed=seed)
-    with _SavedByKind(model) as saved:
+    with SavedTensors(model, classify=_saved_kind(model)) as saved:
         loss = trainer.forward(x, y)
     trainer.backward(loss)
     grads = storage_bytes(p.grad for p in model.parameters())
@@ -485,7 +476,7 @@ def recipe_memory(recipe: Recipe | str, config: GPTConfig = GPTConfig(), batch_s
     state = [t for s in trainer.optimizer.state.values() for t in s.values()]
     masters = storage_bytes(trainer.master.parameters()) if trainer.master is not None else 0
     return RecipeMemory(params=sum(p.numel() for p in model.parameters()), weights=storage_bytes(model.parameters()),
-                        masters=masters, grads=grads, optimizer=storage_bytes(state), saved=dict(saved.kinds))
+                        masters=masters, grads=grads, optimizer=storage_bytes(state), saved={**dict.fromkeys(SAVED_KINDS, 0), **saved.by_kind})
 
 
 def plot_recipe_memory(memories: Mapping[str, RecipeMemory]) -> Figure:
