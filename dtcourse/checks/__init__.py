@@ -1,7 +1,10 @@
 """Checks that exercise notebooks call; the autograder reports their AssertionErrors.
 
-One module per exercise topic, all re-exported here, so a notebook writes
-``from dtcourse.checks import check_all_reduce``:
+One module per exercise topic; a notebook's test cell imports the check it runs, in the cell
+itself, so that nothing a solution cell binds can stand in for it::
+
+    from dtcourse.checks import check_all_reduce
+    check_all_reduce(ring_all_reduce, world_sizes=(2, 3))
 
 * ``dtcourse.checks.memory``: exercise 00 (the bytes of a training step, kind by kind)
 * ``dtcourse.checks.collectives``: exercise 01 (ring collectives from send/recv)
@@ -10,23 +13,164 @@ One module per exercise topic, all re-exported here, so a notebook writes
 * ``dtcourse.checks.mixed_precision``: exercise 04 (a dynamic loss scaler against GradScaler)
 * ``dtcourse.checks.checkpointing``: exercise 05 (a checkpointed sequential container)
 * ``dtcourse.checks.common``: running a check on ranks and reporting what went wrong
+* ``dtcourse.checks.guard``: what the student's code may call, and what it sent, while it runs
 
-``timeout=None`` means ``$DTCOURSE_CHECK_TIMEOUT`` seconds (20 if unset); the
-autograder sets it (``python -m dtcourse.grade --check-timeout``).
+Each ``check_*`` here does three things before the check itself:
+
+1. **Audit** (``dtcourse.grading.audit``) the cells this kernel has run: a notebook that rebinds a
+   check's name or changes ``dtcourse.checks``, ``torch.distributed`` or the import system fails
+   with a message that names the cell and line.
+2. **Fail fast after a deadlock.** A check whose student code deadlocked (timed out) remembers
+   that code; a later check that would run it again (the same function, or one that calls it)
+   fails at once, instead of waiting out its timeout once more.
+3. **Run fresh copies** of the check modules (and the launcher under them), executed anew from
+   the files on disk, so that a cell that replaced a function inside ``dtcourse.checks`` changes
+   nothing.
+
+``timeout=None`` means ``$DTCOURSE_CHECK_TIMEOUT`` seconds (20 if unset); the autograder sets it
+(``dtcourse grade --check-timeout``).
 """
 
-from dtcourse.checks.memory import check_activations, check_model_states
-from dtcourse.checks.collectives import (FLOATS, check_all_gather, check_all_reduce, check_reduce_scatter,
-                                         check_ring_exchange)
-from dtcourse.checks.data_parallel import check_bucket_assignment, check_ddp_parity, check_overlap
-from dtcourse.checks.parameter_server import check_exactly_once, check_hang, check_staleness_bound, check_sync_parity
-from dtcourse.checks.mixed_precision import check_loss_scaler
-from dtcourse.checks.checkpointing import (check_checkpoint_gradients, check_checkpoint_memory,
-                                           check_segment_bounds)
+from __future__ import annotations
 
-__all__ = ["check_ring_exchange", "check_reduce_scatter", "check_all_gather", "check_all_reduce", "FLOATS",
-           "check_bucket_assignment", "check_ddp_parity", "check_overlap"]
-__all__ += ["check_segment_bounds", "check_checkpoint_gradients", "check_checkpoint_memory"]
-__all__ += ["check_loss_scaler"]
-__all__ += ["check_exactly_once", "check_staleness_bound", "check_sync_parity", "check_hang"]
-__all__ += ["check_model_states", "check_activations"]
+import functools
+import importlib.util
+import inspect
+import sys
+from types import CodeType, FunctionType, ModuleType
+from typing import Callable
+
+from dtcourse.checks.collectives import FLOATS
+from dtcourse.runtime.refuse import is_library_file
+
+__all__ = ["check_model_states", "check_activations",
+           "check_ring_exchange", "check_reduce_scatter", "check_all_gather", "check_all_reduce", "FLOATS",
+           "check_bucket_assignment", "check_ddp_parity", "check_overlap",
+           "check_exactly_once", "check_staleness_bound", "check_sync_parity", "check_hang",
+           "check_loss_scaler",
+           "check_segment_bounds", "check_checkpoint_gradients", "check_checkpoint_memory"]
+
+# loaded afresh for every check, in this order (each module's imports find the fresh ones before it)
+_FRESH = ("dtcourse.runtime.results", "dtcourse.runtime.processes", "dtcourse.runtime.launch",
+          "dtcourse.checks.guard", "dtcourse.checks.common")
+# what deadlocked in a check, for this kernel: (the student code it ran, what deadlocked where)
+_DEADLOCKED: list[tuple[tuple[CodeType, ...], str]] = []
+
+
+def fresh(topic: str) -> ModuleType:
+    """``dtcourse.checks.<topic>`` executed anew from its file, with fresh copies of what it builds on."""
+    names = (*_FRESH, f"dtcourse.checks.{topic}")
+    saved = {name: sys.modules.get(name) for name in names}
+    try:
+        for name in names:
+            spec = importlib.util.find_spec(name)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module          # so that the next module's imports bind this copy
+            spec.loader.exec_module(module)
+        return module
+    finally:
+        for name, module in saved.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
+
+
+def _kernel_history() -> list[str]:
+    """The cells this IPython kernel has run, in order ([] outside IPython)."""
+    shell = sys.modules.get("IPython") and sys.modules["IPython"].get_ipython()
+    return [code for code in (shell.user_ns.get("In", []) if shell else []) if code]
+
+
+def _audit() -> None:
+    from dtcourse.grading.audit import audit_cells
+
+    findings = audit_cells(_kernel_history())
+    if findings:
+        listed = "\n  ".join(f"cell run #{f.cell}, line {f.line}: {f.what}" for f in findings[:5])
+        raise AssertionError(
+            "this notebook reaches into the grading, so no check runs:\n  " + listed + "\nRemove that code "
+            "(a check's name must stay the check, and dtcourse.checks, torch.distributed and the import "
+            "system must stay as they are), then restart the kernel and run all cells.")
+
+
+def _student_code(obj: object, seen: set[int] | None = None) -> list[CodeType]:
+    """The code objects of a student's function or class, and of the student functions they reach."""
+    seen = set() if seen is None else seen
+    found: list[CodeType] = []
+    if id(obj) in seen:
+        return found
+    seen.add(id(obj))
+    if isinstance(obj, type):
+        for klass in obj.__mro__:
+            if klass is not object and not is_library_file(inspect.getfile(klass) if _has_file(klass) else "<x>"):
+                for member in vars(klass).values():
+                    member = getattr(member, "__func__", getattr(member, "fget", member))
+                    found += _student_code(member, seen)
+        return found
+    if not isinstance(obj, FunctionType) or is_library_file(obj.__code__.co_filename):
+        return found
+    codes = [obj.__code__]
+    while codes:
+        code = codes.pop()
+        found.append(code)
+        codes += [c for c in code.co_consts if isinstance(c, CodeType)]
+        for name in code.co_names:
+            value = obj.__globals__.get(name)
+            if isinstance(value, (FunctionType, type)):
+                found += _student_code(value, seen)
+    return found
+
+
+def _has_file(klass: type) -> bool:
+    try:
+        inspect.getfile(klass)
+        return True
+    except (TypeError, OSError):
+        return False
+
+
+def _name(obj: object) -> str:
+    return getattr(obj, "__qualname__", getattr(obj, "__name__", type(obj).__name__))
+
+
+def _isolated(topic: str, name: str) -> Callable:
+    original = getattr(importlib.import_module(f"dtcourse.checks.{topic}"), name)
+
+    @functools.wraps(original)
+    def check(*args, **kwargs):
+        _audit()
+        students = [a for a in (*args, *kwargs.values()) if isinstance(a, (FunctionType, type))]
+        codes = tuple(code for student in students for code in _student_code(student))
+        for earlier, what in _DEADLOCKED:   # this check runs all the code that deadlocked, unchanged
+            if earlier and all(any(code is mine for mine in codes) for code in earlier):
+                raise AssertionError(
+                    f"not run: {what} deadlocked in an earlier check, and this check would run the same code "
+                    "again, unchanged. Fix the deadlock and run the cells again; until then each check of that "
+                    "code fails at once instead of waiting out its timeout.")
+        try:
+            return getattr(fresh(topic), name)(*args, **kwargs)
+        except AssertionError as error:
+            if getattr(error, "deadlock", False) and codes:
+                _DEADLOCKED.append((codes, f"{', '.join(map(_name, students))} (in {name})"))
+            raise
+    return check
+
+
+check_model_states = _isolated("memory", "check_model_states")
+check_activations = _isolated("memory", "check_activations")
+check_ring_exchange = _isolated("collectives", "check_ring_exchange")
+check_reduce_scatter = _isolated("collectives", "check_reduce_scatter")
+check_all_gather = _isolated("collectives", "check_all_gather")
+check_all_reduce = _isolated("collectives", "check_all_reduce")
+check_bucket_assignment = _isolated("data_parallel", "check_bucket_assignment")
+check_ddp_parity = _isolated("data_parallel", "check_ddp_parity")
+check_overlap = _isolated("data_parallel", "check_overlap")
+check_exactly_once = _isolated("parameter_server", "check_exactly_once")
+check_staleness_bound = _isolated("parameter_server", "check_staleness_bound")
+check_sync_parity = _isolated("parameter_server", "check_sync_parity")
+check_hang = _isolated("parameter_server", "check_hang")
+check_loss_scaler = _isolated("mixed_precision", "check_loss_scaler")
+check_segment_bounds = _isolated("checkpointing", "check_segment_bounds")
+check_checkpoint_gradients = _isolated("checkpointing", "check_checkpoint_gradients")
+check_checkpoint_memory = _isolated("checkpointing", "check_checkpoint_memory")

@@ -11,8 +11,10 @@ first case any rank got wrong, and ``_as_student`` keeps the student's error.
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 import traceback
+import warnings
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
@@ -63,33 +65,58 @@ def _where_stuck(err: LaunchTimeout, name: Callable[[int], str] = lambda rank: f
     return "\nWhere the stuck ranks were (innermost call first):\n" + "\n".join(lines) if lines else ""
 
 
+def _stderr_to_stdout(rank_fn: Callable, *args) -> object:
+    """Inside a rank: run ``rank_fn`` with warnings and all stderr output sent to stdout, labelled.
+
+    nbgrader scores a test cell that wrote anything to stderr as 0, so one harmless torch
+    ``UserWarning`` in a rank would cost a correct answer its points. The rank's errors still
+    reach the check, which reports them.
+    """
+    os.dup2(1, 2)                       # C++ output (gloo, c10d) too
+    sys.stderr = sys.stdout
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        print(f"[rank {dist.get_rank()}] a warning (printed on stdout, so it costs no points): "
+              f"{warnings.formatwarning(message, category, filename, lineno, line).strip()}", flush=True)
+
+    warnings.showwarning = show
+    return rank_fn(*args)
+
+
+def _deadlock(message: str) -> AssertionError:
+    error = AssertionError(message)
+    error.deadlock = True               # dtcourse.checks fails the later checks of the same code at once
+    return error
+
+
 def _launch_check(label: str, world_size: int, rank_fn: Callable, args: tuple, timeout: float | None,
                   where: str, hint: str) -> None:
     """Run ``rank_fn(*args, progress)`` on every rank; turn whatever went wrong into an AssertionError.
 
     ``rank_fn`` returns ``[]``, or ``[case, message]`` for a wrong answer, and notes the case it is in
-    in the file ``progress/<rank>`` (``"finished"`` at the end), so a hang names the case.
+    in the file ``progress/<rank>`` (``"finished"`` at the end), so a hang names the case. The ranks
+    print warnings and stderr on stdout (``_stderr_to_stdout``).
     """
     if timeout is None:
         timeout = float(os.environ.get("DTCOURSE_CHECK_TIMEOUT", "20"))
     with tempfile.TemporaryDirectory(prefix="dtcourse-check-") as progress:
         try:
-            results = launch(rank_fn, world_size, *args, progress, timeout=timeout)
+            results = launch(_stderr_to_stdout, world_size, rank_fn, *args, progress, timeout=timeout)
         except LaunchTimeout as err:
             notes = _notes(progress, world_size)
             busy: dict[str, list[int]] = {}
             for rank in err.stuck:
                 busy.setdefault(notes.get(rank) or "before the first case", []).append(rank)
             stuck = "; ".join(f"rank(s) {ranks} in {note}" for note, ranks in busy.items())
-            raise AssertionError(f"{label} did not finish{where} within {timeout:g} s: {stuck} were "
-                                 f"still running. {hint}{_where_stuck(err)}") from None
+            raise _deadlock(f"{label} did not finish{where} within {timeout:g} s: {stuck} were "
+                            f"still running. {hint}{_where_stuck(err)}") from None
         except RankError as err:
             note = _notes(progress, world_size).get(err.rank, "")
             text = _read(Path(progress, f"{err.rank}.error")) or _tail(err.remote_traceback)
             if world_size > 1 and ("timed out" in text.lower() or "timeout" in text.lower()):
                 # The student's own wait(timeout=...) gave up: a deadlock seen from inside the rank.
-                raise AssertionError(f"{label} did not finish{where}: rank {err.rank} gave up waiting in "
-                                     f"{note}. {hint}\n{text}") from None
+                raise _deadlock(f"{label} did not finish{where}: rank {err.rank} gave up waiting in "
+                                f"{note}. {hint}\n{text}") from None
             who = f"rank {err.rank} raised" if world_size > 1 else "it raised"
             raise AssertionError(f"{label} failed{where} in {note}: {who} {text}") from None
         except LaunchError as err:

@@ -1,17 +1,23 @@
 """Grade an exercise notebook as ``nbgrader autograde`` would, without a gradebook.
 
-Usage::
+Two commands, for two people::
 
-    dtcourse grade 01                          # exercises/01_collectives_ring.ipynb, from any folder
-    dtcourse grade exercises/01_collectives_ring.ipynb
+    dtcourse check 01                          # a student: the visible checks, no answers needed
+    dtcourse grade 01                          # an instructor: every check, hidden ones included
     dtcourse grade ~/work/my_copy.ipynb --source solutions/01_collectives_ring.ipynb
 
-(``python -m dtcourse.grade`` is the same command.)
+``01`` means ``exercises/01_collectives_ring.ipynb`` from any folder (a name or a path works too).
+``python -m dtcourse.grade`` is ``dtcourse grade``.
+
+``dtcourse check`` restores the test cells from the student notebook in ``exercises/``, which
+holds only the visible checks: it needs no ``solutions/``, so a class can be given the course
+without the answers. The hidden checks show as HIDDEN, worth points only at grading.
+``dtcourse grade`` restores them from the instructor's source notebook (``solutions/`` of the
+same name unless ``--source`` says otherwise), which holds the answers and the hidden tests.
 
 The steps follow nbgrader's (its preprocessor names in brackets):
 
-1. Read the student's notebook and its source: ``solutions/`` file of the same
-   name unless ``--source`` says otherwise.
+1. Read the student's notebook and its source.
 2. Sanitize (ClearOutput, DeduplicateIds, OverwriteCells): clear the outputs;
    a ``grade_id`` that appears twice is graded once, in its first cell; every
    locked cell (the test cells, the read-only setup) gets back its text as
@@ -24,13 +30,17 @@ The steps follow nbgrader's (its preprocessor names in brackets):
 4. Score each test cell as nbgrader does (``determine_grade``): an error, or
    anything written to stderr, scores 0; otherwise the cell's points, or the
    partial score it evaluates to.
+5. Audit the student's cells (``dtcourse.grading.audit``): code that rebinds a
+   check or patches the modules the checks rely on is listed under "Flagged".
 
-Exit status: 0 full marks, 1 some check failed, 2 the notebook could not be graded.
+Exit status: 0 full marks, 1 some check failed (or something was flagged), 2 the notebook
+could not be graded.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import copy
 import os
 import sys
@@ -40,7 +50,7 @@ from pathlib import Path
 import nbformat
 from nbclient import NotebookClient
 
-from dtcourse.grading import exercises
+from dtcourse.grading import audit, exercises
 
 DEFAULT_CELL_TIMEOUT = 300.0  # seconds; each check bounds itself far below this
 
@@ -50,9 +60,10 @@ class Check:
     """One test (grade) cell: its points, and why it failed ('' if it passed)."""
 
     grade_id: str
-    points: float | None  # None: needs a person (a manually graded answer)
+    points: float | None  # None: needs a person (a manually graded answer), or hidden in a self-check
     max_points: float
     message: str = ""
+    hidden: bool = False  # a self-check: the instructor's grading runs this cell's checks
 
     @property
     def passed(self) -> bool:
@@ -67,6 +78,7 @@ class Report:
     source: Path | None
     checks: list[Check] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # other cells that failed, restored cells
+    flagged: list[str] = field(default_factory=list)  # code that reaches into the grading (audit)
     error: str = ""  # set when the notebook could not be graded at all
 
     @property
@@ -81,7 +93,7 @@ class Report:
     def exit_code(self) -> int:
         if self.error:
             return 2
-        return 0 if all(c.passed for c in self.checks if c.points is not None) else 1
+        return 0 if all(c.passed for c in self.checks if c.points is not None) and not self.flagged else 1
 
     def __str__(self) -> str:
         lines = [f"Grading {self.notebook}", f"  against {self.source}", ""]
@@ -89,22 +101,33 @@ class Report:
             return "\n".join(lines + [f"Could not grade: {self.error}"])
         width = max([len(c.grade_id) for c in self.checks] + [10])
         for c in self.checks:
-            status = "MANUAL" if c.points is None else "PASS" if c.passed else "FAIL"
+            status = ("HIDDEN" if c.hidden else "MANUAL") if c.points is None else "PASS" if c.passed else "FAIL"
             earned = "?" if c.points is None else f"{c.points:g}"
             lines.append(f"  {status:<6} {c.grade_id:<{width}}  {earned} / {c.max_points:g}")
             lines += [f"         {line}" for line in c.message.splitlines()]
         if self.notes:
             lines += ["", "Notes:"] + [f"  {note}" for note in self.notes]
-        lines += ["", f"Total: {self.score:g} / {self.max_score:g}"]
+        if self.flagged:
+            lines += ["", "Flagged for the instructor (code that reaches into the grading):"]
+            lines += [f"  {finding}" for finding in self.flagged]
+        hidden = sum(c.max_points for c in self.checks if c.hidden)
+        lines += ["", f"Total: {self.score:g} / {self.max_score:g}"
+                  + (f" (and {hidden:g} points of hidden checks, which only the instructor's grading runs)"
+                     if hidden else "")]
         return "\n".join(lines)
 
 
 def grade_notebook(path: str | os.PathLike, source: str | os.PathLike | None = None,
                    cell_timeout: float = DEFAULT_CELL_TIMEOUT, check_timeout: float | None = None,
-                   kernel_name: str = "python3") -> Report:
-    """Restore the tests into the notebook at ``path``, run it, and score every test cell."""
+                   kernel_name: str = "python3", self_check: bool = False) -> Report:
+    """Restore the tests into the notebook at ``path``, run it, and score every test cell.
+
+    ``self_check``: restore them from the released notebook (``exercises/``, visible checks only)
+    rather than the instructor's source, and report the hidden cells as HIDDEN.
+    """
     path = Path(path)
-    source = Path(source) if source else exercises.ROOT / "solutions" / path.name
+    folder = "exercises" if self_check else "solutions"
+    source = Path(source) if source else exercises.ROOT / folder / path.name
     report = Report(path, source)
     try:
         nb = nbformat.read(path, as_version=4)
@@ -112,15 +135,21 @@ def grade_notebook(path: str | os.PathLike, source: str | os.PathLike | None = N
         report.error = f"cannot read {path}: {err}"
         return report
     if not source.exists():
-        report.error = f"no source notebook {source}; pass --source solutions/<name>.ipynb"
+        report.error = (f"no source notebook {source}. " + (
+            "Pass --source with the released notebook (exercises/<name>.ipynb)." if self_check else
+            "Grading needs the instructor's source notebook, which holds the hidden tests (pass --source "
+            f"solutions/<name>.ipynb). To check your own work against the visible checks, run: "
+            f"dtcourse check {path.stem.split('_')[0]}"))
         return report
     try:
-        stored = exercises.generate(exercises.loads(source.read_text(encoding="utf-8")), source.stem,
-                                    keep_hidden_tests=True, where=str(source))
+        text = source.read_text(encoding="utf-8")
+        stored = (exercises.loads(text) if self_check else
+                  exercises.generate(exercises.loads(text), source.stem, keep_hidden_tests=True, where=str(source)))
     except exercises.MarkupError as err:
         report.error = str(err)
         return report
     report.notes += _restore(nb, nbformat.from_dict(stored))
+    report.flagged = [str(f) for f in audit_cells_of(nb)]
 
     executed: set[int] = set()
 
@@ -151,8 +180,14 @@ def grade_notebook(path: str | os.PathLike, source: str | os.PathLike | None = N
         if not executed:
             report.error = f"the kernel {kernel_name!r} did not run the notebook ({stopped})"
             return report
-    _score(nb, executed, stopped, report)
+    _score(nb, executed, stopped, report, self_check)
     return report
+
+
+def audit_cells_of(nb: nbformat.NotebookNode) -> list:
+    """The audit's findings in the notebook's code cells, numbered as the notebook's cells."""
+    codes = [(index, cell.source) for index, cell in enumerate(nb.cells) if cell.cell_type == "code"]
+    return [audit.Finding(codes[f.cell][0], f.line, f.what) for f in audit.audit_cells(code for _, code in codes)]
 
 
 def _restore(nb: nbformat.NotebookNode, stored: nbformat.NotebookNode) -> list[str]:
@@ -198,7 +233,16 @@ def _first_line(text: str) -> str:
     return lines[0] + (f" ... {lines[-1]}" if lines[0].endswith(":") and len(lines) > 1 else "")
 
 
-def _score(nb: nbformat.NotebookNode, executed: set[int], stopped: str, report: Report) -> None:
+def _is_placeholder(code: str) -> bool:
+    """A released notebook's hidden-test cell: comments only, its checks cut out for the instructor."""
+    try:
+        return not ast.parse(code).body
+    except SyntaxError:
+        return False
+
+
+def _score(nb: nbformat.NotebookNode, executed: set[int], stopped: str, report: Report,
+           self_check: bool = False) -> None:
     failed_before = False
     for index, cell in enumerate(nb.cells):
         meta = cell.metadata.get("nbgrader", {})
@@ -213,6 +257,8 @@ def _score(nb: nbformat.NotebookNode, executed: set[int], stopped: str, report: 
         report.checks.append(check)
         if meta.get("solution", False) or cell.cell_type != "code":
             check.message = "needs manual grading"
+        elif self_check and _is_placeholder(cell.source):
+            check.hidden, check.message = True, "hidden checks: your instructor's grading runs them"
         elif index not in executed:
             check.points, check.message = 0.0, f"not run: {stopped or 'execution stopped before it'}"
         else:
@@ -261,11 +307,15 @@ def find_notebook(name: str | os.PathLike) -> Path:
                             f"(the course's exercises: {available}).")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="dtcourse grade", description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None, self_check: bool = False) -> int:
+    prog = "dtcourse check" if self_check else "dtcourse grade"
+    what = ("Check an exercise notebook against its visible checks (needs no solutions/)" if self_check else
+            "Grade an exercise notebook with every check, hidden ones included (needs the instructor's source)")
+    parser = argparse.ArgumentParser(prog=prog, description=what)
     parser.add_argument("notebook", help="the student's notebook: a path, or an exercise's name or "
                                          "number (`01` means exercises/01_collectives_ring.ipynb)")
-    parser.add_argument("--source", type=Path, help="the source notebook (default: solutions/<same name>)")
+    parser.add_argument("--source", type=Path, help="the source notebook (default: "
+                        + ("exercises/" if self_check else "solutions/") + "<same name>)")
     parser.add_argument("--cell-timeout", type=float, default=DEFAULT_CELL_TIMEOUT,
                         help="seconds a cell may run before it is interrupted (default %(default)g)")
     parser.add_argument("--check-timeout", type=float,
@@ -275,9 +325,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         notebook = find_notebook(args.notebook)
     except FileNotFoundError as error:
-        print(f"dtcourse grade: {error}", file=sys.stderr)
+        print(f"{prog}: {error}", file=sys.stderr)
         return 2
-    report = grade_notebook(notebook, args.source, args.cell_timeout, args.check_timeout, args.kernel)
+    report = grade_notebook(notebook, args.source, args.cell_timeout, args.check_timeout, args.kernel, self_check)
     print(report)
     return report.exit_code
 

@@ -1,0 +1,225 @@
+"""Find the code in a submission that reaches into the grading: rebound check names, patched modules.
+
+A check is only as good as the code that runs it. A solution cell that says
+``check_all_reduce = lambda *a, **k: None``, or a cell that replaces a function inside
+``dtcourse.checks`` or ``torch.distributed``, would turn every check into a pass. The test cells
+import their checks themselves and the checks run fresh copies of their modules (see
+``dtcourse.checks``), and this audit reports what is left: every place where a submission
+
+* binds a name that starts with ``check_`` (other than importing that very check from
+  ``dtcourse.checks``);
+* assigns to, deletes or ``setattr``s an attribute or item of ``dtcourse``, ``torch.distributed``,
+  ``torch.utils.checkpoint``, ``sys``, ``builtins`` or ``importlib`` (or of a name imported from them);
+* names the grading's own guards (``dtcourse.runtime.refuse``, ``dtcourse.checks.guard``) or
+  reloads a module.
+
+Usage::
+
+    dtcourse audit submitted/*/01_collectives_ring/*.ipynb    # exit 1 if anything is found
+
+The checks run the same audit on the kernel's own history before they grade, so under
+nbgrader such a notebook scores 0 in every test cell with a message that says why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+__all__ = ["Finding", "audit_source", "audit_cells", "audit_notebook", "main"]
+
+GUARDED = ("dtcourse", "torch.distributed", "torch.utils.checkpoint", "sys", "builtins", "importlib")
+GUARDS = ("dtcourse.runtime.refuse", "dtcourse.checks.guard", "ReferenceRefused", "refuse_if_student",
+          "student_on_stack")
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One place a submission reaches into the grading."""
+
+    cell: int | None   # index of the code cell in the notebook (None: a single source)
+    line: int
+    what: str
+
+    def __str__(self) -> str:
+        where = f"cell {self.cell}, line {self.line}" if self.cell is not None else f"line {self.line}"
+        return f"{where}: {self.what}"
+
+
+def _guarded(module: str) -> bool:
+    return any(module == g or module.startswith(g + ".") for g in GUARDED)
+
+
+class _Visitor(ast.NodeVisitor):
+    def __init__(self) -> None:
+        self.found: list[tuple[int, str]] = []
+        self.modules: dict[str, str] = {}       # local name -> the module (or member) it was imported as
+        self.depth = 0                          # inside a def or class: its names are local
+
+    def _flag(self, node: ast.AST, what: str) -> None:
+        self.found.append((getattr(node, "lineno", 0), what))
+
+    def _path(self, node: ast.AST) -> str:
+        """The dotted path an attribute chain stands for, with imported names spelled out ('' if local)."""
+        parts = []
+        while isinstance(node, (ast.Attribute, ast.Subscript)):
+            if isinstance(node, ast.Attribute):
+                parts.append(node.attr)
+            node = node.value
+        if not (isinstance(node, ast.Name) and node.id in self.modules):
+            return ""
+        return ".".join([self.modules[node.id], *reversed(parts)])
+
+    def _bind(self, node: ast.AST, name: str, how: str) -> None:
+        if name.startswith("check_") and self.depth == 0:
+            self._flag(node, f"{how} {name!r}, a name the test cells use for a check")
+
+    def visit_Import(self, node: ast.Import) -> None:
+        for alias in node.names:
+            if alias.asname:
+                self.modules[alias.asname] = alias.name
+            else:
+                self.modules[alias.name.split(".")[0]] = alias.name.split(".")[0]
+            self._bind(node, alias.asname or alias.name.split(".")[0], "imports as")
+            if any(alias.name.startswith(g) for g in GUARDS):
+                self._flag(node, f"imports {alias.name}, part of the grading's guards")
+
+    def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+        module = node.module or ""
+        for alias in node.names:
+            full = f"{module}.{alias.name}"
+            if any(full.startswith(g) or alias.name == g for g in GUARDS):
+                self._flag(node, f"imports {full}, part of the grading's guards")
+            self.modules[alias.asname or alias.name] = full
+            same_check = module.startswith("dtcourse.checks") and alias.asname in (None, alias.name)
+            if not same_check:
+                self._bind(node, alias.asname or alias.name, "imports as")
+        self.generic_visit(node)
+
+    def _targets(self, node: ast.AST, targets: Iterable[ast.AST], how: str) -> None:
+        for target in targets:
+            for sub in ast.walk(target):
+                if isinstance(sub, ast.Name) and isinstance(sub.ctx, (ast.Store, ast.Del)):
+                    self._bind(node, sub.id, how)
+            if isinstance(target, (ast.Attribute, ast.Subscript)) and _guarded(self._path(target)):
+                self._flag(node, f"{how} {ast.unparse(target)}, inside a module the grading relies on")
+
+    def visit_Assign(self, node: ast.Assign) -> None:
+        self._targets(node, node.targets, "assigns")
+        self.generic_visit(node)
+
+    def visit_AnnAssign(self, node: ast.AnnAssign) -> None:
+        self._targets(node, [node.target], "assigns")
+        self.generic_visit(node)
+
+    def visit_AugAssign(self, node: ast.AugAssign) -> None:
+        self._targets(node, [node.target], "assigns")
+        self.generic_visit(node)
+
+    def visit_Delete(self, node: ast.Delete) -> None:
+        self._targets(node, node.targets, "deletes")
+        self.generic_visit(node)
+
+    def visit_NamedExpr(self, node: ast.NamedExpr) -> None:
+        self._targets(node, [node.target], "assigns")
+        self.generic_visit(node)
+
+    def visit_For(self, node: ast.For) -> None:
+        self._targets(node, [node.target], "assigns")
+        self.generic_visit(node)
+
+    def visit_FunctionDef(self, node: ast.FunctionDef | ast.ClassDef) -> None:
+        self._bind(node, node.name, "defines")
+        self.depth += 1
+        self.generic_visit(node)
+        self.depth -= 1
+
+    visit_AsyncFunctionDef = visit_ClassDef = visit_FunctionDef
+
+    def visit_Global(self, node: ast.Global) -> None:
+        depth, self.depth = self.depth, 0
+        for name in node.names:
+            self._bind(node, name, "declares global")
+        self.depth = depth
+
+    def visit_Call(self, node: ast.Call) -> None:
+        name = ast.unparse(node.func)
+        if name in ("setattr", "delattr") and node.args and _guarded(self._path(node.args[0])):
+            self._flag(node, f"calls {name} on {ast.unparse(node.args[0])}, a module the grading relies on")
+        if name.endswith("reload") and "importlib" in name or name == "reload":
+            self._flag(node, "reloads a module")
+        self.generic_visit(node)
+
+    def visit_Attribute(self, node: ast.Attribute) -> None:
+        text = ast.unparse(node)
+        if any(text.startswith(g) for g in GUARDS[:2]):
+            self._flag(node, f"uses {text}, part of the grading's guards")
+        self.generic_visit(node)
+
+
+def audit_source(code: str) -> list[tuple[int, str]]:
+    """``(line, what)`` for every place ``code`` reaches into the grading ([] if it does not parse)."""
+    try:
+        tree = ast.parse(_without_magics(code))
+    except SyntaxError:
+        return []
+    visitor = _Visitor()
+    visitor.visit(tree)
+    return sorted(set(visitor.found))
+
+
+def audit_cells(cells: Iterable[str]) -> list[Finding]:
+    """Audit cells in order; names a cell binds stay known to the cells after it (one kernel)."""
+    found, prelude = [], ""
+    for index, code in enumerate(cells):
+        before = len(prelude.splitlines())
+        for line, what in audit_source(prelude + code):
+            if line > before:
+                found.append(Finding(index, line - before, what))
+        prelude += "".join(f"{line}\n" for line in _imports(code))
+    return found
+
+
+def _imports(code: str) -> list[str]:
+    """The import statements of ``code``, so later cells know its module names (one line each)."""
+    try:
+        tree = ast.parse(_without_magics(code))
+    except SyntaxError:
+        return []
+    return [ast.unparse(node).replace("\n", " ") for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))
+            and all(not a.name.startswith("check_") for a in node.names)]
+
+
+def _without_magics(code: str) -> str:
+    """IPython lines (``%magic``, ``!shell``) become blank, so the rest parses as Python."""
+    return "\n".join("" if line.lstrip().startswith(("%", "!")) else line for line in code.splitlines())
+
+
+def audit_notebook(path: str | Path) -> list[Finding]:
+    import nbformat
+
+    nb = nbformat.read(path, as_version=4)
+    codes = [(i, c.source) for i, c in enumerate(nb.cells) if c.cell_type == "code"]
+    return [Finding(codes[f.cell][0], f.line, f.what) for f in audit_cells(code for _, code in codes)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dtcourse audit", description=__doc__.split("\n")[0])
+    parser.add_argument("notebooks", nargs="+", type=Path)
+    args = parser.parse_args(argv)
+    flagged = 0
+    for path in args.notebooks:
+        findings = audit_notebook(path)
+        flagged += bool(findings)
+        print(f"{path}: " + ("nothing found" if not findings else f"{len(findings)} finding(s)"))
+        for finding in findings:
+            print(f"  {finding}")
+    return 1 if flagged else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
