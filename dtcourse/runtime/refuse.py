@@ -58,14 +58,29 @@ def student_on_stack(boundary: FrameType | None = None) -> bool:
     return False
 
 
-def refuse_if_student(topic: str, what: str, why: str = "") -> None:
-    """Raise ``ReferenceRefused`` if ``topic`` is refused and student code, run by a check, is calling."""
+def _student_class(klass: type) -> bool:
+    """Was ``klass`` written outside dtcourse and the libraries (a notebook's ``__main__`` has no file)?"""
+    if klass.__module__ == "builtins":
+        return False
+    return not is_library_file(getattr(sys.modules.get(klass.__module__), "__file__", None) or "<notebook>")
+
+
+def refuse_if_student(topic: str, what: str, why: str = "", instance: object = None) -> None:
+    """Raise ``ReferenceRefused`` if ``topic`` is refused and student code, run by a check, is calling.
+
+    ``instance``: a reference class's new object; a student's subclass of it is refused even when the
+    check itself makes the object (the subclass is the student's code).
+    """
     topics, boundary = _REFUSED.get()
     exercise = topics.get(topic)
-    if exercise is not None and student_on_stack(boundary):
+    if exercise is None:
+        return
+    subclass = instance is not None and any(_student_class(k) for k in type(instance).__mro__)
+    if subclass or student_on_stack(boundary):
         raise ReferenceRefused(why or
             f"{what} is the course's own answer to exercise {exercise}, and it refuses to run while that "
-            "exercise's checks run: write it yourself (the lesson shows how it works).")
+            "exercise's checks run" + (" (your class is a subclass of it)" if subclass else "")
+            + ": write it yourself (the lesson shows how it works).")
 
 
 def reference(topic: str, exercise: str) -> Callable[[T], T]:
@@ -77,7 +92,7 @@ def reference(topic: str, exercise: str) -> Callable[[T], T]:
 
             @functools.wraps(init)
             def __init__(self, *args, **kwargs):
-                refuse_if_student(topic, what)
+                refuse_if_student(topic, what, instance=self)
                 init(self, *args, **kwargs)
 
             obj.__init__ = __init__

@@ -1,0 +1,260 @@
+"""Grading an instructor can trust: the checks cannot be talked out of checking.
+
+* the references refuse student callers while a check runs, and only them (``runtime/refuse.py``);
+* ``guard.watching`` catches a collective however it is reached, records messages, and puts
+  the process group back;
+* the audit finds code that rebinds a check or patches what the checks rely on, and a notebook
+  with such code scores 0, in our grader and under nbgrader's rules alike;
+* a harmless warning in a rank costs no points; a deadlock is waited out once, not once per cell;
+* a student's self-check needs no ``solutions/``; grading without them says what to run instead.
+
+Exercise 01 stands in for all: every exercise's check goes through the same wrappers.
+Each graded notebook starts a kernel (a few seconds).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import dtcourse.checks as checks
+from dtcourse import launch
+from dtcourse.checks.guard import watching
+from dtcourse.grading.audit import audit_cells
+from dtcourse.grading.grade import grade_notebook
+from dtcourse.runtime.refuse import ReferenceRefused, reference, refusing
+from exercise_harness import EXPECTED, NAMES, by_id, exercise_path, solution_code, source_path, student_copy
+
+NAME = "01_collectives_ring"
+
+
+# --------------------------------------------------------------------------- #
+# References refuse the student's calls, and only while a check runs
+# --------------------------------------------------------------------------- #
+@reference("demo", "99")
+def _answer(x: int) -> int:
+    return 2 * x
+
+
+@reference("demo", "99")
+class _Server:
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+
+class _StudentServer(_Server):   # defined here, in a test file: a student's frame
+    pass
+
+
+def _student_calls(fn, *args):
+    return fn(*args)
+
+
+def test_a_reference_refuses_student_callers_inside_a_check_only():
+    assert _answer(2) == 4 and _Server(1).n == 1                     # outside a check: as usual
+    with refusing({"demo": "99"}):
+        with pytest.raises(ReferenceRefused, match="exercise 99.*write it yourself"):
+            _student_calls(_answer, 2)
+        with pytest.raises(ReferenceRefused, match="_Server"):
+            _StudentServer(3)                      # a subclass refuses, even made by the check itself
+        assert _answer.__wrapped__(2) == 4                            # the check's own use: a library frame
+    with refusing({"other": "98"}):
+        assert _student_calls(_answer, 2) == 4                       # another exercise's check
+    assert _student_calls(_answer, 5) == 10
+
+
+def _ring_of_collectives(x: torch.Tensor, how: str) -> None:
+    saved = {"saved": _SAVED_ALL_REDUCE, "c10d": dist.distributed_c10d.all_reduce, "barrier": dist.barrier}[how]
+    saved(x) if how != "barrier" else saved()
+
+
+_SAVED_ALL_REDUCE = dist.all_reduce     # taken before any check starts
+
+
+def _guard_rank() -> dict:
+    found = {}
+    for how in ("saved", "c10d", "barrier"):
+        with watching({"collectives": "01"}, p2p_only=True):
+            try:
+                _ring_of_collectives(torch.ones(3), how)
+                found[how] = "ran"
+            except AssertionError as error:
+                found[how] = str(error)
+    rank, n = dist.get_rank(), dist.get_world_size()
+    with watching({}, p2p_only=True) as watch:
+        sent, received = torch.arange(5.0), torch.empty(5)
+        for request in dist.batch_isend_irecv([dist.P2POp(dist.isend, sent, (rank + 1) % n),
+                                               dist.P2POp(dist.irecv, received, (rank - 1) % n)]):
+            request.wait()
+    found["sent"], found["received"] = watch.sent, watch.received
+    total = torch.ones(2)
+    dist.all_reduce(total)                   # after the block, collectives work again
+    found["after"] = total.tolist()
+    return found
+
+
+def test_the_guard_catches_collectives_however_reached_and_records_messages():
+    results = launch(_guard_rank, 3)
+    for rank, found in enumerate(results):
+        for how in ("saved", "c10d", "barrier"):
+            assert "point-to-point messages only" in found[how], found[how]
+        assert found["sent"] == [((rank + 1) % 3, 20)] and found["received"] == [((rank - 1) % 3, 20)]
+        assert found["after"] == [3.0, 3.0]
+
+
+# --------------------------------------------------------------------------- #
+# The audit
+# --------------------------------------------------------------------------- #
+CHEATS = {
+    "rebinds a check": "check_all_reduce = lambda *args, **kwargs: None",
+    "defines a check": "def check_ring_exchange(*args, **kwargs):\n    pass",
+    "patches a check's insides": "import dtcourse.checks.collectives\n"
+                                 "dtcourse.checks.collectives._compare = lambda *args: None",
+    "patches through an alias": "import dtcourse.checks.common as common\ncommon._launch_check = print",
+    "setattr on the package": "import dtcourse.checks\nsetattr(dtcourse.checks, 'check_all_gather', print)",
+    "patches torch.distributed": "import torch\ntorch.distributed.all_reduce = print",
+    "replaces a module": "import sys\nsys.modules['dtcourse.checks'] = None",
+    "touches the guard": "from dtcourse.runtime.refuse import refusing",
+}
+
+
+@pytest.mark.parametrize("kind", CHEATS)
+def test_the_audit_finds_each_kind_of_reaching_in(kind):
+    findings = audit_cells(["import torch\nimport torch.distributed as dist", CHEATS[kind]])
+    assert findings and all(f.cell == 1 for f in findings), (kind, findings)
+
+
+def test_the_audit_leaves_ordinary_code_alone():
+    ordinary = ["import torch\nimport torch.distributed as dist\nfrom dtcourse.checks import check_all_reduce",
+                "def ring(t):\n    check_ok = True\n    rank = dist.get_rank()\n    t.add_(1)\n    return check_ok",
+                "class DDP:\n    def __init__(self):\n        self.work = dist.get_world_size()",
+                "check_all_reduce(ring)", "import dtcourse.checks as c\nc.check_all_reduce(ring)",
+                "!ls\n%timeit ring"]
+    assert audit_cells(ordinary) == []
+    for name in NAMES:   # every solution and released notebook, every cell
+        for folder in ("solutions", "exercises"):
+            cells = [("".join(c["source"])) for c in json.loads((Path(source_path(name)).parents[1] / folder
+                                                                  / f"{name}.ipynb").read_text())["cells"]
+                     if c["cell_type"] == "code"]
+            assert audit_cells(cells) == [], (folder, name)
+
+
+def _with_cell_after_setup(path: Path, code: str) -> None:
+    nb = json.loads(path.read_text())
+    index = next(i for i, c in enumerate(nb["cells"]) if c["metadata"].get("nbgrader", {}).get("grade_id") == "setup")
+    nb["cells"].insert(index + 1, {"cell_type": "code", "execution_count": None, "id": "extra", "metadata": {},
+                                   "outputs": [], "source": code})
+    path.write_text(json.dumps(nb, indent=1))
+
+
+def test_cheating_notebooks_score_zero_and_are_flagged(tmp_path):
+    """Empty functions, with the checks rebound in a solution cell and patched in an extra cell."""
+    empty = {"send_right_recv_left": ("def send_right_recv_left(send, recv):\n    pass\n"
+                                      "check_ring_exchange = check_reduce_scatter = lambda *a, **k: None\n"
+                                      "check_all_gather = check_all_reduce = lambda *a, **k: None"),
+             "ring_reduce_scatter": "def ring_reduce_scatter(output, input_tensor):\n    pass",
+             "ring_all_gather": "def ring_all_gather(output, input_tensor):\n    pass",
+             "ring_all_reduce": "def ring_all_reduce(tensor):\n    pass"}
+    path = student_copy(NAME, tmp_path, empty)
+    _with_cell_after_setup(path, "import dtcourse.checks.common as common\n"
+                                 "common._launch_check = lambda *args, **kwargs: None\n"
+                                 "import dtcourse.checks.collectives as mine\nmine._compare = lambda *args: None")
+    report = grade_notebook(path, source=source_path(NAME), check_timeout=30)
+    assert report.score == 0, str(report)
+    for check in report.checks:
+        assert "reaches into the grading" in check.message, str(report)
+    assert len(report.flagged) >= 4 and report.exit_code == 1
+    assert "Flagged for the instructor" in str(report)
+
+
+def test_fresh_copies_ignore_a_patched_check_module():
+    """Outside any notebook (no history to audit): a patched helper inside dtcourse.checks changes nothing."""
+    import dtcourse.checks.collectives as module
+
+    def empty(output, input_tensor):
+        pass
+
+    saved = module._compare
+    module._compare = lambda *args: None
+    try:
+        with pytest.raises(AssertionError, match="still holds the NaN"):
+            checks.check_reduce_scatter(empty, world_sizes=(2,), sizes=(2,))
+    finally:
+        module._compare = saved
+
+
+# --------------------------------------------------------------------------- #
+# Warnings cost nothing; a deadlock is waited out once
+# --------------------------------------------------------------------------- #
+def _exchange_that_warns(send: torch.Tensor, recv: torch.Tensor) -> None:
+    warnings.warn("a harmless warning from the student's code", UserWarning)
+    rank, n = dist.get_rank(), dist.get_world_size()
+    for request in dist.batch_isend_irecv([dist.P2POp(dist.isend, send, (rank + 1) % n),
+                                           dist.P2POp(dist.irecv, recv, (rank - 1) % n)]):
+        request.wait()
+
+
+def test_a_warning_in_a_rank_goes_to_stdout_not_stderr(capfd):
+    checks.check_ring_exchange(_exchange_that_warns, world_sizes=(2,), sizes=(3,))
+    out, err = capfd.readouterr()
+    assert "a harmless warning" not in err, err
+    assert "printed on stdout, so it costs no points" in out and "a harmless warning" in out, out
+
+
+def _deadlocked_reduce_scatter(output: torch.Tensor, input_tensor: torch.Tensor) -> None:
+    dist.recv(output, (dist.get_rank() - 1) % dist.get_world_size())    # nobody ever sends
+
+
+def _all_reduce_on_top(tensor: torch.Tensor) -> None:
+    _deadlocked_reduce_scatter(tensor, tensor)
+
+
+def test_after_a_deadlock_the_checks_of_the_same_code_fail_at_once():
+    with pytest.raises(AssertionError, match="did not finish"):
+        checks.check_reduce_scatter(_deadlocked_reduce_scatter, world_sizes=(2,), sizes=(1,), timeout=2)
+    start = time.monotonic()
+    for run in (lambda: checks.check_reduce_scatter(_deadlocked_reduce_scatter, world_sizes=(3,), timeout=2),
+                lambda: checks.check_all_reduce(_all_reduce_on_top, world_sizes=(2,), timeout=2)):
+        with pytest.raises(AssertionError, match="not run: _deadlocked_reduce_scatter .*deadlocked in an earlier"):
+            run()
+    assert time.monotonic() - start < 1.5           # neither waited for its timeout
+
+    def fixed(output, input_tensor):                # new code: checked as usual
+        output.copy_(input_tensor[: output.numel()])
+
+    with pytest.raises(AssertionError, match="is wrong"):
+        checks.check_reduce_scatter(fixed, world_sizes=(2,), sizes=(1,))
+
+
+# --------------------------------------------------------------------------- #
+# A student's self-check needs no solutions/
+# --------------------------------------------------------------------------- #
+def test_self_check_runs_the_visible_checks_without_solutions(tmp_path):
+    released = tmp_path / "course" / "exercises" / f"{NAME}.ipynb"    # a class's copy: no solutions/
+    released.parent.mkdir(parents=True)
+    released.write_bytes(exercise_path(NAME).read_bytes())
+    mine = student_copy(NAME, tmp_path, solution_code(NAME))
+    report = grade_notebook(mine, source=released, self_check=True)
+    hidden = [c for c in report.checks if c.hidden]
+    assert {c.grade_id for c in hidden} == EXPECTED[NAME].hidden, str(report)
+    assert all(c.passed for c in report.checks if not c.hidden) and report.exit_code == 0, str(report)
+    assert "HIDDEN" in str(report) and "only the instructor's grading runs" in str(report)
+    assert report.max_score == EXPECTED[NAME].points - sum(c.max_points for c in hidden)
+
+
+def test_grading_without_the_source_says_to_self_check(tmp_path):
+    mine = tmp_path / f"{NAME}.ipynb"
+    mine.write_bytes(exercise_path(NAME).read_bytes())
+    report = grade_notebook(mine, source=tmp_path / "solutions" / mine.name)
+    assert report.exit_code == 2 and "dtcourse check 01" in report.error, report.error
+    done = subprocess.run([sys.executable, "-m", "dtcourse.cli", "check", "--help"], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0 and "visible checks" in done.stdout
