@@ -1,12 +1,16 @@
-"""The ``dtcourse`` command: ``dtcourse grade NOTEBOOK``, ``dtcourse exercises``, ``dtcourse bench STEM``.
+"""The ``dtcourse`` command: ``check``, ``grade``, ``audit``, ``exercises``, ``course`` and ``bench``.
 
-    dtcourse grade exercises/01_collectives_ring.ipynb   # PASS/FAIL and points for each check
+    dtcourse check 01                                    # a student: the visible checks, PASS/FAIL and points
+    dtcourse grade exercises/01_collectives_ring.ipynb   # an instructor: hidden checks too (needs solutions/)
+    dtcourse audit submitted/*/01_*/*.ipynb              # code that reaches into the grading
     dtcourse exercises --check                           # is exercises/ current with solutions/?
+    dtcourse course ~/grading                            # an nbgrader course folder, for instructors
     dtcourse bench collectives --world-sizes 4           # a benchmark script, by its stem
     dtcourse bench --list                                # the benchmarks there are
 
 Each sub-command passes the rest of its arguments to the module that does the work
-(``dtcourse.grading.grade``, ``dtcourse.grading.exercises``, ``dtcourse.bench.<stem>``).
+(``dtcourse.grading.grade``, ``dtcourse.grading.audit``, ``dtcourse.grading.exercises``, ``dtcourse.grading.course``,
+``dtcourse.bench.<stem>``).
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ import sys
 
 __all__ = ["main", "benchmarks"]
 
-USAGE = "usage: dtcourse {grade NOTEBOOK | exercises [--check] | bench STEM [ARGS] | bench --list} [...]"
+USAGE = ("usage: dtcourse {check NOTEBOOK | grade NOTEBOOK | audit NOTEBOOK... | exercises [--check] | course DIR | "
+         "bench STEM [ARGS] | bench --list} [...]")
 
 
 def benchmarks() -> list[str]:
@@ -33,11 +38,17 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__.strip() if argv else USAGE)
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
-    if command == "grade":
+    if command in ("grade", "check"):
         from dtcourse.grading.grade import main as run
+        return run(rest, self_check=command == "check")
+    if command == "audit":
+        from dtcourse.grading.audit import main as run
         return run(rest)
     if command == "exercises":
         from dtcourse.grading.exercises import main as run
+        return run(rest)
+    if command == "course":
+        from dtcourse.grading.course import main as run
         return run(rest)
     if command == "bench":
         stems = benchmarks()
