@@ -123,6 +123,8 @@ CHEATS = {
     "patches torch.distributed": "import torch\ntorch.distributed.all_reduce = print",
     "replaces a module": "import sys\nsys.modules['dtcourse.checks'] = None",
     "touches the guard": "from dtcourse.runtime.refuse import refusing",
+    "writes the module's dict": "import dtcourse.checks\nvars(dtcourse.checks)['check_all_reduce'] = print",
+    "object.__setattr__": "import dtcourse.checks as c\nobject.__setattr__(c, 'x', 1)",
 }
 
 
@@ -173,6 +175,20 @@ def test_cheating_notebooks_score_zero_and_are_flagged(tmp_path):
         assert "reaches into the grading" in check.message, str(report)
     assert len(report.flagged) >= 4 and report.exit_code == 1
     assert "Flagged for the instructor" in str(report)
+
+
+def test_the_checks_cannot_be_rebound_on_the_package():
+    genuine = checks.check_all_reduce
+    with pytest.raises(AttributeError, match="is a check and cannot be replaced"):
+        checks.check_all_reduce = print
+    with pytest.raises(AttributeError, match="cannot be deleted"):
+        del checks.check_all_reduce
+    checks.__dict__["check_all_reduce"] = print          # even behind the module's back
+    try:
+        from dtcourse.checks import check_all_reduce
+        assert check_all_reduce is genuine
+    finally:
+        checks.__dict__["check_all_reduce"] = genuine
 
 
 def test_fresh_copies_ignore_a_patched_check_module():

@@ -140,32 +140,42 @@ def test_nbgrader_generates_every_exercise_from_the_course_config(tmp_path):
 
 
 def test_generate_autograde_feedback_export_in_the_course(tmp_path):
-    """40 to 60 s: generate, two submissions, autograde (two kernels), feedback twice, export."""
+    """50 to 80 s: generate, three submissions, autograde (three kernels), feedback twice, export."""
     pytest.importorskip("nbgrader", reason="nbgrader is not installed: pip install -e '.[dev]'")
     written = course.write_course(tmp_path / "grading", [QUICK])
     nbgrader(written, "generate_assignment", QUICK)
     released = written / "release" / QUICK / f"{QUICK}.ipynb"
     assert released.read_bytes() == exercise_path(QUICK).read_bytes()
 
-    # ada fills in every solution cell with the answer; bob returns the notebook untouched.
-    for student in ("ada", "bob"):
+    # ada fills in every solution cell with the answer; bob returns the notebook untouched; eve
+    # writes empty functions and rebinds the checks' names to do-nothing lambdas in her cells.
+    for student in ("ada", "bob", "eve"):
         (written / "submitted" / student / QUICK).mkdir(parents=True)
     student_copy(QUICK, written / "submitted" / "ada" / QUICK, solution_code(QUICK))
     shutil.copyfile(released, written / "submitted" / "bob" / QUICK / f"{QUICK}.ipynb")
+    student_copy(QUICK, written / "submitted" / "eve" / QUICK, {
+        "model_state_bytes": "def model_state_bytes(sizes, optimizer, mixed):\n    return {}\n"
+                             "check_model_states = lambda *args, **kwargs: None",
+        "activation_bytes": "def activation_bytes(sizes, batch_size, activation, mixed):\n    return 0\n"
+                            "import dtcourse.checks\ndtcourse.checks.check_activations = lambda *args, **kwargs: None"})
 
     nbgrader(written, "autograde", QUICK)
     nbgrader(written, "generate_feedback", QUICK)
     nbgrader(written, "export")
 
+    def feedback(student: str) -> str:
+        return visible_text((written / "feedback" / student / QUICK / f"{QUICK}.html").read_text())
+
     with open(written / "grades.csv", newline="") as table:
         rows = {row["student_id"]: row for row in csv.DictReader(table) if row["assignment"] == QUICK}
     points = EXPECTED[QUICK].points
-    assert sorted(rows) == ["ada", "bob"]
+    assert sorted(rows) == ["ada", "bob", "eve"]
     assert float(rows["ada"]["score"]) == float(rows["ada"]["max_score"]) == points
     assert float(rows["bob"]["score"]) == 0 and float(rows["bob"]["max_score"]) == points
-
-    def feedback(student: str) -> str:
-        return visible_text((written / "feedback" / student / QUICK / f"{QUICK}.html").read_text())
+    # the test cells import their checks themselves, and the checks refuse a notebook that
+    # reaches into them: eve's rebinding earns nothing under real nbgrader either
+    assert float(rows["eve"]["score"]) == 0, rows["eve"]
+    assert "reaches into the grading" in feedback("eve")
 
     regions = hidden_tests(QUICK)
     hidden = [line for region in regions for line in region]

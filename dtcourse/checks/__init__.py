@@ -25,7 +25,8 @@ Each ``check_*`` here does three things before the check itself:
    fails at once, instead of waiting out its timeout once more.
 3. **Run fresh copies** of the check modules (and the launcher under them), executed anew from
    the files on disk, so that a cell that replaced a function inside ``dtcourse.checks`` changes
-   nothing.
+   nothing. This package's own ``check_*`` names are sealed (``_seal``): assigning one changes
+   nothing the test cells import.
 
 ``timeout=None`` means ``$DTCOURSE_CHECK_TIMEOUT`` seconds (20 if unset); the autograder sets it
 (``dtcourse grade --check-timeout``).
@@ -37,7 +38,7 @@ import functools
 import importlib.util
 import inspect
 import sys
-from types import CodeType, FunctionType, ModuleType
+from types import CodeType, FunctionType, MappingProxyType, ModuleType
 from typing import Callable
 
 from dtcourse.checks.collectives import FLOATS
@@ -174,3 +175,34 @@ check_loss_scaler = _isolated("mixed_precision", "check_loss_scaler")
 check_segment_bounds = _isolated("checkpointing", "check_segment_bounds")
 check_checkpoint_gradients = _isolated("checkpointing", "check_checkpoint_gradients")
 check_checkpoint_memory = _isolated("checkpointing", "check_checkpoint_memory")
+
+
+def _seal() -> None:
+    """Make this package's ``check_*`` names always give the checks defined above.
+
+    A test cell's ``from dtcourse.checks import check_x`` reads the name through the module's
+    class; a cell that assigns, deletes or ``setattr``s a check name, or writes it into the
+    module's ``__dict__``, changes nothing the test cells see (the audit then fails the notebook).
+    """
+    genuine = MappingProxyType({name: value for name, value in globals().items() if name.startswith("check_")})
+
+    class SealedChecks(ModuleType):
+        def __getattribute__(self, name: str):
+            if name in genuine:
+                return genuine[name]
+            return super().__getattribute__(name)
+
+        def __setattr__(self, name: str, value) -> None:
+            if name in genuine:
+                raise AttributeError(f"dtcourse.checks.{name} is a check and cannot be replaced")
+            super().__setattr__(name, value)
+
+        def __delattr__(self, name: str) -> None:
+            if name in genuine:
+                raise AttributeError(f"dtcourse.checks.{name} is a check and cannot be deleted")
+            super().__delattr__(name)
+
+    sys.modules[__name__].__class__ = SealedChecks
+
+
+_seal()

@@ -70,6 +70,8 @@ class _Visitor(ast.NodeVisitor):
             if isinstance(node, ast.Attribute):
                 parts.append(node.attr)
             node = node.value
+        if isinstance(node, ast.Call) and ast.unparse(node.func) == "vars" and node.args:
+            return ".".join([self._path(node.args[0]) or "<local>", *reversed(parts)])   # vars(module)[...]
         if not (isinstance(node, ast.Name) and node.id in self.modules):
             return ""
         return ".".join([self.modules[node.id], *reversed(parts)])
@@ -148,7 +150,8 @@ class _Visitor(ast.NodeVisitor):
 
     def visit_Call(self, node: ast.Call) -> None:
         name = ast.unparse(node.func)
-        if name in ("setattr", "delattr") and node.args and _guarded(self._path(node.args[0])):
+        if (name in ("setattr", "delattr") or name.endswith((".__setattr__", ".__delattr__"))) and node.args \
+                and _guarded(self._path(node.args[0])):
             self._flag(node, f"calls {name} on {ast.unparse(node.args[0])}, a module the grading relies on")
         if name.endswith("reload") and "importlib" in name or name == "reload":
             self._flag(node, "reloads a module")
