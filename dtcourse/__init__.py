@@ -22,8 +22,8 @@ Shared by every lesson:
 * ``dtcourse.runtime``: ``launch`` / ``init_from_env``, ``device()``, the timeline recorder
 * ``dtcourse.lab``: measurements, figures and widgets; ``dtcourse.checks`` and
   ``dtcourse.grading``: exercise checks, generator and autograder; ``dtcourse.bench``: benchmarks
-* the ``dtcourse`` command (``dtcourse.cli``): ``dtcourse grade``, ``dtcourse exercises``,
-  ``dtcourse bench STEM``
+* the ``dtcourse`` command (``dtcourse.cli``): ``dtcourse check`` (students), ``dtcourse grade``,
+  ``dtcourse audit`` and ``dtcourse course`` (instructors), ``dtcourse exercises``, ``dtcourse bench STEM``
 
 Importing the package itself is cheap and needs no torch, so the exercise
 generator (``python -m dtcourse.exercises``) runs with a bare Python.

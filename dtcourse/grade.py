@@ -1,4 +1,4 @@
-"""``python -m dtcourse.grade NOTEBOOK``: the command students and the lessons use.
+"""``python -m dtcourse.grade NOTEBOOK``: ``dtcourse grade`` (an instructor's grading, hidden checks too).
 
 The grader itself is ``dtcourse.grading.grade``; this module keeps the command working.
 """

@@ -1,7 +1,13 @@
-"""Exercises and their grading: ``exercises.py`` generates the student notebooks from
-``solutions/`` (nbgrader markup, no nbgrader needed), ``grade.py`` runs a student's notebook and
-scores it with the hidden checks. The checks themselves are in ``dtcourse.checks``.
+"""Exercises and their grading.
 
-Commands: ``dtcourse exercises [--check]`` (or ``python -m dtcourse.exercises``) and
-``dtcourse grade NOTEBOOK`` (or ``python -m dtcourse.grade NOTEBOOK``).
+* ``exercises.py`` generates the student notebooks from ``solutions/`` (nbgrader markup, no
+  nbgrader needed);
+* ``grade.py`` runs a student's notebook and scores it: ``dtcourse check`` with the visible
+  checks only (a student's self-check, no ``solutions/`` needed), ``dtcourse grade`` with the
+  hidden ones too (the instructor's);
+* ``audit.py`` finds code in a submission that reaches into the grading (``dtcourse audit``);
+* ``course.py`` writes a ready nbgrader course (``dtcourse course DIR``), and
+  ``nbgrader_stubs.py`` gives each exercise its own stub there.
+
+The checks themselves are in ``dtcourse.checks``.
 """
