@@ -61,7 +61,7 @@ def _student_calls(fn, *args):
 def test_a_reference_refuses_student_callers_inside_a_check_only():
     assert _answer(2) == 4 and _Server(1).n == 1                     # outside a check: as usual
     with refusing({"demo": "99"}):
-        with pytest.raises(ReferenceRefused, match="exercise 99.*write it yourself"):
+        with pytest.raises(ReferenceRefused, match="exercise 99.*do this part yourself"):
             _student_calls(_answer, 2)
         with pytest.raises(ReferenceRefused, match="_Server"):
             _StudentServer(3)                      # a subclass refuses, even made by the check itself
@@ -69,6 +69,12 @@ def test_a_reference_refuses_student_callers_inside_a_check_only():
     with refusing({"other": "98"}):
         assert _student_calls(_answer, 2) == 4                       # another exercise's check
     assert _student_calls(_answer, 5) == 10
+
+
+def test_a_check_refuses_the_reference_itself_passed_by_name():
+    mine = _answer                                   # a student's `ring_all_reduce = the course's one`
+    with pytest.raises(AssertionError, match="course's own answer to exercise 99"):
+        checks.check_all_reduce(mine, world_sizes=(2,))
 
 
 def _ring_of_collectives(x: torch.Tensor, how: str) -> None:
