@@ -1,10 +1,13 @@
 """Exercise 04 (a dynamic loss scaler): the released notebook, its checks and the autograder.
 
 A scaler that forgets to restart its count of clean steps after an overflow fails the checks
-that contain an overflow, with the step and the expected and actual scales named. The checks are
-also driven directly with other wrong scalers (no kernel). Full marks for the solution and zero
-for the untouched exercise are checked with every exercise's, in ``test_grading.py``. Each grading
-run starts one Jupyter kernel (a few seconds). Run just these with
+that contain an overflow, with the step, the expected and actual scales and the mistake named, and
+scores under half: the scaler's dynamics carry 9 of the 10 points. The checks are also driven
+directly with other wrong scalers, and with scalers that lean on the course's ``DynamicLossScaler``
+or on ``torch.amp.GradScaler``, which are refused (no kernel). Full marks for the solution and zero
+for the untouched exercise are checked with every exercise's, in ``test_grading.py``; here a scaler
+written differently from the solution gets full marks too. Each grading run starts one Jupyter
+kernel (a few seconds). Run just these with
 ``pytest -q test_mixed_precision_exercise.py``, and everything about this exercise with
 ``pytest -q tests -k "04_mixed_precision_loss_scaler or test_mixed_precision_exercise"``.
 """
@@ -15,10 +18,15 @@ import time
 
 import pytest
 
+import torch
+
 from dtcourse import checks
-from exercise_harness import assert_released, by_id, failed, grade_answers, nbgrader_cells, solution_code, source_path
+from dtcourse import mixed_precision as mp
+from exercise_harness import (EXPECTED, assert_released, by_id, failed, grade_answers, nbgrader_cells, solution_code,
+                              source_path)
 
 NAME = "04_mixed_precision_loss_scaler"
+POINTS = EXPECTED[NAME].points
 
 # update() backs off on an overflow but leaves the count of clean steps where it was.
 NO_RESET = '''
@@ -46,11 +54,41 @@ class DynamicLossScaler(ScalerBase):
         self._found_inf, self._stepped = {}, set()
 '''
 
+# Right, and unlike the solution: step() marks the optimizer first and asks for the flag with
+# try/except; update() reads the flags with max(), clears the iteration first, and counts modulo
+# growth_interval.
+MODULAR = '''
+class DynamicLossScaler(ScalerBase):
+    def step(self, optimizer):
+        if id(optimizer) in self._stepped:
+            raise RuntimeError("one step() per optimizer in an iteration")
+        self._stepped.add(id(optimizer))
+        try:
+            overflow = self._found_inf[id(optimizer)]
+        except KeyError:
+            self.unscale_(optimizer)
+            overflow = self._found_inf[id(optimizer)]
+        if not overflow:
+            return optimizer.step()
 
-def scaler_class(body: str):
-    """``DynamicLossScaler`` from the notebook's given cells plus ``body``, built without a kernel."""
+    def update(self):
+        if len(self._found_inf) == 0:
+            raise RuntimeError("call step() before update()")
+        found, self._found_inf, self._stepped = max(self._found_inf.values()), {}, set()
+        if found:
+            self._growth_tracker = 0
+            self._set_scale(self._scale * self.backoff_factor)
+            return
+        self._growth_tracker = (self._growth_tracker + 1) % self.growth_interval
+        if self._growth_tracker == 0 and math.isfinite(fp32(self._scale * self.growth_factor)):
+            self._set_scale(self._scale * self.growth_factor)
+'''
+
+
+def scaler_class(body: str, **names):
+    """``DynamicLossScaler`` from the notebook's given cells plus ``body`` (seeing ``names``), built without a kernel."""
     given = nbgrader_cells(source_path(NAME))
-    namespace: dict = {}
+    namespace: dict = dict(names)
     for grade_id in ("setup", "scaffold"):
         exec(compile(given[grade_id], f"<{grade_id}>", "exec"), namespace)
     exec(compile(body, "<answer>", "exec"), namespace)
@@ -73,7 +111,7 @@ def test_a_count_not_restarted_after_overflow_is_reported_precisely(tmp_path):
     report = grade_answers(NAME, tmp_path, {"loss_scaler": NO_RESET})
     result = by_id(report)
     assert failed(report) == ["check_nan", "check_streams_hidden", "check_edges_hidden"], str(report)
-    assert report.score == 3, str(report)                       # growth (2) and misuse (1) still pass
+    assert report.score == 3 < POINTS / 2, str(report)          # growth (2) and misuse (1) still pass
     nan = result["check_nan"].message
     # NaN at step 4: GradScaler's count restarts at 0 and reaches 3 at step 7; this one kept its 1
     # and grows the scale a step early, at step 6.
@@ -82,8 +120,15 @@ def test_a_count_not_restarted_after_overflow_is_reported_precisely(tmp_path):
             "yours is 131072.0.") in nan, nan
     assert "GradScaler [65536.0, 131072.0, 131072.0, 65536.0, 65536.0, 65536.0]" in nan, nan
     assert "yours      [65536.0, 131072.0, 131072.0, 65536.0, 65536.0, 131072.0]" in nan, nan
+    assert ("Every scale of yours so far is exactly what a scaler gets that does not restart its count of clean "
+            "steps at a back-off") in nan, nan
     assert "case 'inf'" in result["check_streams_hidden"].message
     assert "case 'fp32_rounding'" in result["check_edges_hidden"].message
+
+
+def test_a_scaler_written_unlike_the_solution_gets_full_marks(tmp_path):
+    report = grade_answers(NAME, tmp_path, {"loss_scaler": MODULAR})
+    assert report.score == POINTS and not failed(report), str(report)
 
 
 # --------------------------------------------------------------------------- #
@@ -146,3 +191,89 @@ def test_an_endless_update_fails_after_the_timeout():
 def test_unknown_cases_are_refused():
     with pytest.raises(ValueError, match="cases must be among"):
         checks.check_loss_scaler(scaler_class(solution_code(NAME)["loss_scaler"]), cases=("nope",))
+
+
+SOLUTION = solution_code(NAME)["loss_scaler"]
+
+
+@pytest.mark.parametrize("old, new, case, named", [
+    ("self._set_scale(self._scale * self.backoff_factor)", "pass", "nan",
+     "keeps the scale when a step overflows, instead of multiplying it by backoff_factor"),
+    ("self._set_scale(self._scale * self.backoff_factor)", "self._set_scale(self._scale / self.backoff_factor)", "nan",
+     "divides the scale by backoff_factor at a back-off instead of multiplying by it"),
+    ("if self._growth_tracker == self.growth_interval:", "if self._growth_tracker > self.growth_interval:", "growth",
+     "grows one step late, after growth_interval \\+ 1 clean steps"),
+    ("if any(self._found_inf.values()):", "if list(self._found_inf.values())[-1]:", "two_optimizers",
+     "looks only at the last optimizer's gradients: it must back off when any optimizer's gradients held an inf"),
+])
+def test_wrong_update_rules_are_named(old, new, case, named):
+    assert old in SOLUTION
+    with pytest.raises(AssertionError, match=rf"(?s)case '{case}'.*after update\(\) the scale should be .*Every scale of "
+                                             rf"yours so far is exactly what a scaler gets that {named}"):
+        checks.check_loss_scaler(scaler_class(SOLUTION.replace(old, new)), cases=(case,))
+
+
+def test_stepping_on_scaled_gradients_is_named():
+    unscale = "if key not in self._found_inf:\n            self.unscale_(optimizer)"
+    assert unscale in SOLUTION
+    checked_only = ("if key not in self._found_inf:\n            self._found_inf[key] = not all(\n"
+                    "                bool(torch.isfinite(p.grad).all()) for group in optimizer.param_groups\n"
+                    "                for p in group['params'] if p.grad is not None)")
+    with pytest.raises(AssertionError, match=r"(?s)case 'growth'.*step 0: after step\(\) your parameters differ from "
+                                             r"GradScaler's by up to .*optimizer\.step\(\) ran on gradients still "
+                                             r"multiplied by the scale \(65536\): step\(\) must unscale them first"):
+        checks.check_loss_scaler(scaler_class(SOLUTION.replace(unscale, checked_only)), cases=("growth",))
+
+
+# --------------------------------------------------------------------------- #
+# The course's scaler and torch's GradScaler refuse to run inside the checks
+# --------------------------------------------------------------------------- #
+class Inherited(mp.DynamicLossScaler):
+    """The course's scaler, subclassed."""
+
+
+class Delegates:
+    """Builds the course's scaler inside its own and hands every call over."""
+
+    def __init__(self, **kwargs):
+        self.inner = mp.DynamicLossScaler(**kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+class GradScalerInside:
+    """Wraps torch.amp.GradScaler, the check's own reference."""
+
+    def __init__(self, **kwargs):
+        self.inner = torch.amp.GradScaler("cpu", **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_the_course_scaler_imported_or_subclassed_is_refused_before_it_runs():
+    from dtcourse.mixed_precision import DynamicLossScaler     # as a notebook cell would import it
+
+    with pytest.raises(AssertionError, match=r"DynamicLossScaler is dtcourse.mixed_precision.DynamicLossScaler, the "
+                                             r"course's own answer to exercise 04, which refuses to run while the "
+                                             r"exercise's checks run: subclass ScalerBase"):
+        checks.check_loss_scaler(DynamicLossScaler)
+    with pytest.raises(AssertionError, match=r"Inherited subclasses dtcourse.mixed_precision.DynamicLossScaler"):
+        checks.check_loss_scaler(Inherited)
+    with pytest.raises(AssertionError, match=r"StaticLossScaler is dtcourse.mixed_precision.StaticLossScaler"):
+        checks.check_loss_scaler(mp.StaticLossScaler)
+
+
+@pytest.mark.parametrize("scaler, refused", [
+    (Delegates, r"ReferenceRefused: dtcourse\.mixed_precision\.DynamicLossScaler is the course's own answer to "
+                r"exercise 04, and it refuses to run"),
+    (GradScalerInside, r"ReferenceRefused: torch\.amp\.GradScaler is what your scaler is compared with, so it "
+                       r"refuses to run for your code"),
+    (scaler_class(SOLUTION.replace("return optimizer.step()", "return mp.LossScaler.step(self, optimizer)"), mp=mp),
+     r"ReferenceRefused: dtcourse\.mixed_precision\.LossScaler\.step is the course's own answer to exercise 04"),
+])
+def test_a_scaler_that_calls_the_course_or_gradscaler_is_refused(scaler, refused):
+    with pytest.raises(AssertionError, match=rf"failed in case 'growth' .*: it raised {refused}"):
+        checks.check_loss_scaler(scaler, cases=("growth",))
+

@@ -1,11 +1,15 @@
 """Exercise 03 (an SSP server loop): the released notebook, its checks and the autograder.
 
 A server that ignores the bound, never lets a fast worker run ahead, or applies whole gradients
-instead of 1/N shares, fails only the checks about that, with the worker, iteration or factor named; a server with no deadline fails
-the hang check after the check's time limit. Full marks for the solution and zero for the
-untouched exercise are checked with every exercise's, in ``test_grading.py``. Each grading run
-starts one Jupyter kernel. Run just these with ``pytest -q test_parameter_server_exercise.py``, and
-everything about this exercise with ``pytest -q tests -k "03_parameter_server_staleness or test_parameter_server_exercise"``.
+instead of 1/N shares, fails only the checks about that, with the worker, iteration or factor
+named; bounded staleness itself (parts 1 and 2) carries 8 of the 12 points, so a server that keeps
+every worker in step with the slowest (a barrier each round) scores under half. A server with no
+deadline fails the hang check after the check's time limit. The course's ``ParameterServer``,
+subclassed, aliased or called, is refused. Full marks for the solution and zero for the untouched
+exercise are checked with every exercise's, in ``test_grading.py``; here a correct server written
+differently from the solution gets full marks too. Each grading run starts one Jupyter kernel. Run
+just these with ``pytest -q test_parameter_server_exercise.py``, and everything about this
+exercise with ``pytest -q tests -k "03_parameter_server_staleness or test_parameter_server_exercise"``.
 """
 
 from __future__ import annotations
@@ -16,8 +20,9 @@ import time
 import pytest
 
 from dtcourse import checks
-from dtcourse.parameter_server import ParameterServer
-from exercise_harness import EXPECTED, assert_released, by_id, failed, grade_answers
+from dtcourse.parameter_server import ParameterServer, ServerBase
+from exercise_harness import (EXPECTED, assert_released, by_id, failed, grade_answers, nbgrader_cells, solution_code,
+                              source_path)
 
 NAME = "03_parameter_server_staleness"
 POINTS = EXPECTED[NAME].points
@@ -58,6 +63,47 @@ BARRIER = NO_BOUND.replace(_ANSWER_ALL, "            if len(waiting) == n:     #
                            + "".join("    " + line + "\n" for line in _ANSWER_ALL.splitlines()))
 
 
+# A correct server written unlike the solution: workers wait in a queue in arrival order, the loop
+# counts pushes rather than watching the smallest clock, and the version is raised with an `if`.
+QUEUE_SERVER = '''
+class AsyncServer(ServerBase):
+    def serve(self):
+        n, s = self.num_workers, self.bound
+        done = {w: 0 for w in range(n)}          # pushes applied, per worker
+        queue = list(range(n))                    # workers waiting for parameters, in arrival order
+        since = {}
+        for _ in range(n * self.steps):           # one push per pass
+            floor = min(done.values())
+            for w in [w for w in queue if done[w] - floor <= s]:
+                queue.remove(w)
+                self.reply(w)
+                since[w] = time.perf_counter()
+            req = self.next_request(since)
+            since.pop(req.worker)
+            stale = staleness(self.version, req.read_version, req.clock)
+            self.apply(req.grad / n)
+            done[req.worker] += 1
+            if done[req.worker] > self.version:
+                self.version = done[req.worker]
+            self.record(req, stale)
+            if done[req.worker] != self.steps:
+                queue.append(req.worker)
+        return self.finish()
+'''
+
+
+def server_class(body: str) -> type:
+    """``AsyncServer`` from the notebook's setup cell plus ``body``, built without a kernel."""
+    namespace: dict = {}
+    exec(compile(nbgrader_cells(source_path(NAME))["setup"], "<setup>", "exec"), namespace)
+    exec(compile(body, "<answer>", "exec"), namespace)
+    return namespace["AsyncServer"]
+
+
+def solution_server() -> type:
+    return server_class(solution_code(NAME)["async_server"])
+
+
 # --------------------------------------------------------------------------- #
 # The released notebook
 # --------------------------------------------------------------------------- #
@@ -73,7 +119,7 @@ def test_ignoring_the_bound_fails_only_the_bound_and_parity_checks(tmp_path):
     report = grade_answers(NAME, tmp_path, {"async_server": NO_BOUND})
     result = by_id(report)
     assert failed(report) == ["check_bound", "check_bound_hidden", "check_parity", "check_parity_hidden"], str(report)
-    assert report.score == POINTS - 6, str(report)
+    assert report.score == POINTS - 7 < POINTS / 2, str(report)
     message = result["check_bound"].message
     assert "AsyncServer is wrong (s=1, 1 server(s), 3 workers, 7 iterations, worker 2 sleeps 250 ms" in message
     # Which worker lags most depends on scheduling (worker 2 sleeps, but on 2 busy cores another
@@ -83,11 +129,16 @@ def test_ignoring_the_bound_fails_only_the_bound_and_parity_checks(tmp_path):
     assert "more than s = 0" in result["check_parity"].message, result["check_parity"].message
 
 
-def test_a_barrier_each_round_fails_only_the_bound_checks(tmp_path):
+def test_a_barrier_each_round_scores_under_half(tmp_path):
+    # It applies every push once, keeps every bound and is exact at s = 0, but nobody ever runs ahead.
     report = grade_answers(NAME, tmp_path, {"async_server": BARRIER})
     result = by_id(report)
-    assert failed(report) == ["check_bound", "check_bound_hidden"], str(report)
-    assert report.score == POINTS - 3, str(report)
+    assert failed(report) == ["check_once", "check_once_hidden", "check_bound", "check_bound_hidden"], str(report)
+    assert report.score == 4 < POINTS / 2, str(report)
+    for grade_id, s in [("check_once", "inf"), ("check_once_hidden", "2")]:
+        message = result[grade_id].message
+        assert (f"AsyncServer is wrong (s={s}" in message and "every push was applied once, but no fast worker ever "
+                "ran ahead of the slow one: the largest lead was 0 iterations" in message), message
     for grade_id, s in [("check_bound", 1), ("check_bound_hidden", 3)]:
         message = result[grade_id].message
         assert (f"AsyncServer is wrong (s={s}, 1 server(s), " in message and "sleeps 250 ms per iteration): it never "
@@ -95,14 +146,22 @@ def test_a_barrier_each_round_fails_only_the_bound_checks(tmp_path):
                 f"it must reach {s}" in message), message
 
 
+def test_a_server_written_unlike_the_solution_gets_full_marks(tmp_path):
+    report = grade_answers(NAME, tmp_path, {"async_server": QUEUE_SERVER})
+    assert report.score == POINTS and not failed(report), str(report)
+
+
 # --------------------------------------------------------------------------- #
 # The checks on their own (no kernel)
 # --------------------------------------------------------------------------- #
-class WholeGradients(ParameterServer):
-    """The course's server, but each push is applied whole instead of as 1/N of a round."""
+SOLUTION = solution_server()
+
+
+class WholeGradients(SOLUTION):
+    """The solution, but each push is applied whole instead of as 1/N of a round."""
 
     def apply(self, grad, gradients=1):
-        super().apply(grad * self.num_workers if self.config.mode != "sync" else grad, gradients)
+        super().apply(grad * self.num_workers, gradients)
 
 
 def test_whole_gradients_are_reported_as_n_times_too_far():
@@ -112,7 +171,7 @@ def test_whole_gradients_are_reported_as_n_times_too_far():
     checks.check_staleness_bound(WholeGradients)         # its clocks and staleness are right
 
 
-class WrongStaleness(ParameterServer):
+class WrongStaleness(SOLUTION):
     """Records version - read_version: every push since the read, even the same iteration's."""
 
     def apply(self, grad, gradients=1):
@@ -129,7 +188,35 @@ def test_staleness_with_the_wrong_rule_names_the_update():
         checks.check_staleness_bound(WrongStaleness, bounds=(0,))
 
 
-class NoDeadline(ParameterServer):
+# The solution with `self.version = max(self.version, clock[w])` changed: the version is the clock of
+# the worker that pushed last, so a slow worker's push takes it back.
+_MAX = "self.version = max(self.version, clock[w])"
+assert _MAX in solution_code(NAME)["async_server"]
+VERSION_BACKWARDS = server_class(solution_code(NAME)["async_server"].replace(_MAX, "self.version = clock[w]"))
+# ... and with self.record moved before the version's update.
+RECORD_FIRST = server_class(solution_code(NAME)["async_server"].replace(
+    f"{_MAX}\n            self.record(request, late)", f"self.record(request, late)\n            {_MAX}"))
+
+
+def test_a_version_that_goes_back_is_named_and_not_blamed_on_the_order_of_record():
+    with pytest.raises(AssertionError) as error:
+        checks.check_staleness_bound(VERSION_BACKWARDS, bounds=(1,))
+    message = str(error.value)
+    assert re.search(r"update \d+ \(worker \d's push of iteration \d+\): self.version was \d+ when you recorded it, "
+                     r"expected \d+\. It went back, from \d+ at the update before: .*a slower worker's push .* must "
+                     r"not lower it\. Keep the larger of self.version and the worker's new clock", message), message
+    assert "record after" not in message and "after updating" not in message, message
+
+
+def test_recording_before_the_version_moves_is_named():
+    with pytest.raises(AssertionError, match=r"update 0 \(worker \d's push of iteration 0\): self.version was 0 when "
+                                             r"you recorded it, expected 1\. Every update you recorded carries the "
+                                             r"version from just before its push .*call self.record\(request, "
+                                             r"staleness\) after updating self.version"):
+        checks.check_staleness_bound(RECORD_FIRST, bounds=(1,))
+
+
+class NoDeadline(SOLUTION):
     """Waits for requests with an empty `owed`: no deadline at all."""
 
     def next_request(self, owed):
@@ -145,3 +232,51 @@ def test_a_server_without_deadline_fails_the_hang_check_after_the_time_limit():
                                              r"gave up waiting for your answers first)\. Keep `owed`"):
         checks.check_hang(NoDeadline, timeout=5)
     assert time.monotonic() - start < 15
+
+
+# --------------------------------------------------------------------------- #
+# The course's server refuses to run inside the checks
+# --------------------------------------------------------------------------- #
+class Inherited(ParameterServer):
+    """A subclass of the course's server: its serve() is the course's."""
+
+
+class CallsTheCourse(ServerBase):
+    """Writes serve() by calling the course's loop on itself."""
+
+    def serve(self):
+        return ParameterServer.serve(self)
+
+
+class Wraps(ServerBase):
+    """Builds the course's server inside its own and hands the work over."""
+
+    def serve(self):
+        return ParameterServer(self.config, group=self.group).serve()
+
+
+def test_the_course_server_subclassed_or_aliased_is_refused_before_it_runs():
+    for check in (checks.check_exactly_once, checks.check_staleness_bound, checks.check_sync_parity, checks.check_hang):
+        with pytest.raises(AssertionError, match=r"Inherited subclasses dtcourse.parameter_server.ParameterServer, the "
+                                                 r"course's own answer to exercise 03, which refuses to run while the "
+                                                 r"exercise's checks run: subclass ServerBase"):
+            check(Inherited)
+    AsyncServer = ParameterServer                    # noqa: N806 - as a notebook cell would bind it
+    with pytest.raises(AssertionError, match=r"ParameterServer is dtcourse.parameter_server.ParameterServer, the "
+                                             r"course's own answer"):
+        checks.check_exactly_once(AsyncServer)
+
+
+@pytest.mark.parametrize("server, what", [(CallsTheCourse, r"ParameterServer\.serve"), (Wraps, r"ParameterServer")])
+def test_the_course_server_called_from_a_serve_is_refused(server, what):
+    with pytest.raises(AssertionError, match=rf"{server.__name__} failed \(s=inf \(async\), .*\): server 0 \(rank 0\) "
+                                             rf"failed: ReferenceRefused: dtcourse\.parameter_server\.server\.{what} "
+                                             r"is the course's own answer to exercise 03, and it refuses to run"):
+        checks.check_exactly_once(server)
+
+
+def test_the_course_server_still_runs_outside_the_checks():
+    from dtcourse.parameter_server import PSConfig, train
+
+    run = train(PSConfig(world_size=3, mode="ssp", bound=1, steps=2), server_cls=Inherited)
+    assert len(run.updates) == 4

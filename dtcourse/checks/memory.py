@@ -11,6 +11,11 @@ difference (per parameter or per tensor where it is a whole number of them)::
 
     check_model_states(model_state_bytes, "optimizer_states", cases=("fp32",))
 
+A wrong number that is exactly what a known mistake gives (16-bit weights counted as fp32, the
+master weights inside the optimizer states, Adam's ``step`` or the biases left out, ...) gets that
+mistake named. ``fn`` runs inside ``watching({"memory": "00"})``, where the course's measurements
+and predictions (``measure_step``, ``SavedTensors``, ...) refuse to run for it.
+
 Why exact equality: on the CPU the measurement is the sum of real tensors' sizes, to the byte,
 and every kind of the exercise has an exact formula.
 """
@@ -25,6 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dtcourse.checks.common import _as_student, _check_names, _launch_check
+from dtcourse.checks.guard import watching
 
 __all__ = ["check_model_states", "check_activations", "MODEL_STATE_CASES", "ACTIVATION_CASES", "OPTIMIZERS",
            "ACTIVATIONS"]
@@ -42,6 +48,7 @@ ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {"relu": nn.ReLU, "gelu": nn.G
 MODEL_KINDS = ("params", "grads", "master_weights", "optimizer_states")
 _BF16, _FP16 = torch.bfloat16, torch.float16
 _RECIPES = ("sgd", "sgd_momentum", "adam")
+_TOPICS = {"memory": "00"}
 
 # name -> (description, [(sizes, optimizer, mixed dtype or None), ...])
 MODEL_STATE_CASES = {
@@ -62,6 +69,8 @@ ACTIVATION_CASES = {
     "gelu": ("GELU between the Linear layers, fp32",
              [((12, 24, 20, 5), 9, "gelu", None), ((64, 128, 10), 32, "gelu", None)]),
     "tanh_silu": ("Tanh and SiLU, fp32", [((12, 24, 20, 5), 9, act, None) for act in ("tanh", "silu")]),
+    "relu_gelu_mixed": ("ReLU and GELU, bf16 mixed precision",
+                        [((12, 24, 20, 5), 9, act, _BF16) for act in ("relu", "gelu")]),
     "mixed": ("bf16 and fp16 mixed precision, every activation",
               [((16, 48, 48, 4), 6, act, dtype) for act in ACTIVATIONS for dtype in (_BF16, _FP16)]),
     "one_layer": ("a single Linear layer, no activation in between",
@@ -141,6 +150,83 @@ def _per_unit(diff: int, n_params: int, n_tensors: int) -> str:
     return ", which is " + " and ".join(part for part in parts if part)
 
 
+def _optimizer_state(sizes: tuple[int, ...], optimizer: str) -> tuple[int, int, list[str]]:
+    """(bytes of the states shaped like a parameter, bytes of the 0-dim ones, the state's names) after one step."""
+    from dtcourse.models import MLP
+    model = MLP(sizes)
+    opt = OPTIMIZERS[optimizer](model.parameters())
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    tensors = [(name, t) for state in opt.state.values() for name, t in state.items() if isinstance(t, torch.Tensor)]
+    return (sum(t.nbytes for _, t in tensors if t.dim()), sum(t.nbytes for _, t in tensors if not t.dim()),
+            list(dict.fromkeys(name for name, _ in tensors)))
+
+
+def _listed(names: list[str]) -> str:
+    return " and ".join(f"`{n}`" for n in names) if names else "nothing"
+
+
+def _model_state_mistakes(kind: str, sizes: tuple[int, ...], optimizer: str, mixed: bool,
+                          measured: int) -> list[tuple[int, str]]:
+    """``(value, what that value means)`` for the mistakes a prediction of ``kind`` plausibly makes."""
+    N = sum(d_in * d_out + d_out for d_in, d_out in zip(sizes[:-1], sizes[1:]))      # parameters
+    T, w, no_bias = 2 * (len(sizes) - 1), 2 if mixed else 4, N - sum(sizes[1:])     # tensors, bytes, weights
+    biases = ("you left out the biases: each nn.Linear(d_in, d_out) also holds a bias of d_out parameters, a "
+              "tensor of its own")
+    if kind in ("params", "grads"):
+        mistakes = [(w * no_bias, biases)]
+        if mixed:
+            mistakes.append((4 * N, (
+                "you counted the 16-bit working copy at fp32's 4 bytes a parameter: in mixed precision a bf16 or "
+                "fp16 copy of the model runs forward and backward, 2 bytes a parameter") if kind == "params" else (
+                "you counted the gradients in fp32: backward writes them in the working copy's dtype, 16 bits, 2 "
+                "bytes a parameter (the fp32 copies made for the step are freed after it and do not count here)")))
+        else:
+            mistakes.append((2 * N, "you counted 2 bytes a parameter in fp32, where every parameter takes 4 bytes, "
+                                    "and so does its gradient"))
+        if kind == "grads":
+            mistakes.append((0, "you counted no gradients: backward writes one for every parameter"))
+        return mistakes
+    if kind == "master_weights":
+        if not mixed:
+            return [(v, "you counted master weights in fp32, where the optimizer steps the model's own parameters: "
+                        "there is no master copy, 0 bytes") for v in (4 * N, 2 * N)]
+        return [(0, "you counted no master weights: mixed precision keeps an fp32 master copy of every "
+                    "parameter, 4 bytes each, for the optimizer to step"),
+                (2 * N, "you counted the master copy at 2 bytes a parameter: it is fp32, 4 bytes, not the 16-bit "
+                        "working copy's 2"),
+                (4 * no_bias, biases)]
+    shaped, zero_dim, names = _optimizer_state(sizes, optimizer)
+    mistakes = []
+    if zero_dim:
+        mistakes += [(shaped, f"you left out `step`: {optimizer!r} keeps a step count per parameter tensor, a "
+                              "0-dim float32 tensor, 4 bytes"),
+                     (shaped + 4 * N, "you counted `step` once per parameter: it is one 0-dim float32 tensor per "
+                                      f"parameter *tensor*, {T} here")]
+    if mixed:
+        mistakes.append((measured + 4 * N, "you counted the master weights in the optimizer states too: ZeRO's "
+                                           "K does, but here they are a kind of their own, so leave the master "
+                                           "weights out"))
+        if shaped:
+            mistakes += [(shaped // 2 + z, "you counted the states at 2 bytes, the working copy's 16 bits: the "
+                                           "optimizer steps the fp32 master weights, so its states are fp32 too")
+                         for z in {zero_dim, zero_dim // 2}]
+    if shaped % N == 0 and zero_dim % T == 0:
+        per_param, per_tensor = shaped // N, zero_dim // T
+        mistakes += [(per_param * no_bias + per_tensor * t, biases) for t in {T, T // 2}]
+    for other in (o for o in OPTIMIZERS if o != optimizer):
+        o_shaped, o_zero, o_names = _optimizer_state(sizes, other)
+        mistakes.append((o_shaped + o_zero, f"you counted what {other!r} keeps ({_listed(o_names)}), but "
+                                            f"{optimizer!r} keeps {_listed(names)}"))
+    return mistakes
+
+
+def _named(value: int, measured: int, mistakes: list[tuple[int, str]]) -> str:
+    """What the mistakes that give exactly ``value`` say (joined by 'or'), or ''."""
+    return "; or ".join(dict.fromkeys(what for wrong, what in mistakes if value == wrong != measured))
+
+
 def _model_states_rank(fn: Callable, kind: str, cases: tuple[str, ...], progress: str) -> list:
     from dtcourse.memory import measure_step
     from dtcourse.models import MLP, regression_batch
@@ -156,7 +242,8 @@ def _model_states_rank(fn: Callable, kind: str, cases: tuple[str, ...], progress
                                 mixed_dtype=dtype)
             measured = {"params": step.params, "grads": step.grads, "master_weights": step.master_weights,
                         "optimizer_states": step.optimizer_states - step.master_weights}[kind]
-            got = _as_student(progress, lambda: fn(sizes, optimizer, mixed))
+            with watching(_TOPICS):            # the course's measurements refuse to run for fn
+                got = _as_student(progress, lambda: fn(sizes, optimizer, mixed))
             if not isinstance(got, dict):
                 return [where, f"{call} returned {got!r}; it must return a dict with the keys {list(MODEL_KINDS)}"]
             if kind not in got:
@@ -169,13 +256,12 @@ def _model_states_rank(fn: Callable, kind: str, cases: tuple[str, ...], progress
                 n_params = sum(p.numel() for p in model.parameters())
                 n_tensors = len(list(model.parameters()))
                 diff = value - measured
+                named = _named(value, measured, _model_state_mistakes(kind, sizes, optimizer, mixed, measured))
                 message = (f"{kind} for {_recipe(sizes, dtype)} ({n_params:,} parameters in {n_tensors} tensors), "
                            f"optimizer {optimizer!r}: you predicted {value:,} bytes, the measured step holds "
                            f"{measured:,}; yours is {abs(diff):,} too {'high' if diff > 0 else 'low'}"
-                           f"{_per_unit(diff, n_params, n_tensors)}. Hint: {_HINTS[kind]}")
-                if kind == "optimizer_states" and abs(diff) == 4 * n_tensors:
-                    message += (". Adam, AdamW and Adagrad also keep a `step` count per parameter tensor: a "
-                                "0-dim float32 tensor, 4 bytes")
+                           f"{_per_unit(diff, n_params, n_tensors)}. "
+                           + (f"That is exactly what you get when {named}." if named else f"Hint: {_HINTS[kind]}"))
                 return [where, message]
     Path(progress, "0").write_text("finished")
     return []
@@ -206,6 +292,32 @@ def _saved_by_layer(model: nn.Sequential, batch: tuple[torch.Tensor, torch.Tenso
     return "\n      ".join(lines)
 
 
+def _activation_mistakes(sizes: tuple[int, ...], batch_size: int, activation: str, mixed: bool,
+                         measured: int) -> list[tuple[int, str]]:
+    """``(value, what that value means)`` for the mistakes an activation count plausibly makes."""
+    element = 2 if mixed else 4
+    unit, hidden, first, out = batch_size * element, sum(sizes[1:-1]), sizes[0], sizes[-1]
+    name = type(ACTIVATIONS[activation]()).__name__
+    mistakes = [(measured - unit * first, "you leave out the input x, which the first Linear saves for its "
+                                          "weight's gradient"),
+                (measured - unit * out, "you leave out the target (or the MLP's output): the MSE loss saves both"),
+                (measured - 2 * unit * out, "you leave out what the MSE loss saves: the MLP's output and the target"),
+                *[(measured + unit * out * k, f"you count a {name} after the last Linear: the MLP has none there")
+                  for k in (1, 2)]]
+    mistakes.append((2 * measured, "you count 4 bytes an element: in mixed precision every saved tensor is 16-bit, "
+                                   "2 bytes, the input and the target included") if mixed else
+                    (measured // 2, "you count 2 bytes an element: in fp32 every saved tensor takes 4"))
+    if hidden and activation in ("relu", "tanh"):
+        mistakes.append((measured + unit * hidden, f"you count two tensors per hidden width, but {name} computes "
+                                                   "its gradient from its output, and the next Linear saves that "
+                                                   "same tensor: one storage, counted once"))
+    elif hidden:
+        mistakes.append((measured - unit * hidden, f"you count one tensor per hidden width, as for ReLU, but {name} "
+                                                   "computes its gradient from its input, so it saves its input, and "
+                                                   f"the next Linear saves {name}'s output: two tensors"))
+    return mistakes
+
+
 def _activations_rank(fn: Callable, cases: tuple[str, ...], progress: str) -> list:
     from dtcourse.memory import measure_step
     from dtcourse.models import regression_batch
@@ -218,14 +330,18 @@ def _activations_rank(fn: Callable, cases: tuple[str, ...], progress: str) -> li
             Path(progress, "0").write_text(f"{where}, {call}")
             model, batch = _mlp(sizes, activation), regression_batch(batch_size, sizes[0], sizes[-1])
             measured = measure_step(model, batch, F.mse_loss, OPTIMIZERS["sgd"], mixed_dtype=dtype).activations
-            value = _as_bytes(_as_student(progress, lambda: fn(sizes, batch_size, activation, mixed)), call)
+            with watching(_TOPICS):            # the course's measurements refuse to run for fn
+                got = _as_student(progress, lambda: fn(sizes, batch_size, activation, mixed))
+            value = _as_bytes(got, call)
             if isinstance(value, str):
                 return [where, value]
             if value != measured:
                 diff = value - measured
+                named = _named(value, measured, _activation_mistakes(sizes, batch_size, activation, mixed, measured))
                 return [where, f"activations for {_recipe(sizes, dtype)}, batch {batch_size}, {activation!r}: you "
                                f"predicted {value:,} bytes, autograd saved {measured:,}; yours is {abs(diff):,} too "
-                               f"{'high' if diff > 0 else 'low'}. In order, the forward saved:\n      "
-                               + _saved_by_layer(model, batch, dtype)]
+                               f"{'high' if diff > 0 else 'low'}."
+                               + (f" That is exactly what you get when {named}." if named else "")
+                               + "\n    In order, the forward saved:\n      " + _saved_by_layer(model, batch, dtype)]
     Path(progress, "0").write_text("finished")
     return []

@@ -4,26 +4,39 @@
 stream of gradients (two copies of one model, the same batches, the same infs and NaNs
 planted), and after every iteration compares what each decided: whether ``optimizer.step()``
 ran, the parameters, and the scale after ``update()``. The first difference is reported with
-its case and step, the expected and actual values, and a hint where one fits::
+its case and step, the expected and actual values, and, where the record shows it, the mistake:
+a sequence of scales that is exactly what a known wrong rule gives (the count of clean steps not
+restarted at a back-off, growth one step late, no back-off, ...), or an optimizer stepped on
+gradients still multiplied by the scale, or divided by it twice::
 
     check_loss_scaler(DynamicLossScaler, cases=("growth", "nan"))
+
+The student's scaler runs inside ``watching({"mixed_precision": "04"})``: there the course's own
+scalers (``dtcourse.mixed_precision.LossScaler`` and ``DynamicLossScaler``, their ``step``,
+``update`` and ``_next_scale``) and ``torch.amp.GradScaler``, the check's reference, refuse to run
+for the student's code; a class that is or subclasses the course's scaler is refused at once.
 """
 
 from __future__ import annotations
 
 import math
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from dtcourse.checks.common import _as_student, _check_names, _launch_check
+from dtcourse.checks.guard import watching
+from dtcourse.mixed_precision import LossScaler
+from dtcourse.runtime.refuse import ReferenceRefused, refuse_if_student
 
 __all__ = ["check_loss_scaler", "SCALER_CASES"]
 
 INF, NAN = math.inf, math.nan
+_TOPICS = {"mixed_precision": "04"}
 
 
 @dataclass(frozen=True)
@@ -73,17 +86,58 @@ def check_loss_scaler(cls: Callable, cases: Sequence[str] = ("growth",), timeout
     never ends fails after ``timeout`` seconds.
     """
     _check_names("check_loss_scaler", cls, cases, SCALER_CASES)
+    _refuse_the_course_scaler(cls)
     _launch_check(getattr(cls, "__name__", "your scaler"), 1, _scaler_rank, (cls, tuple(cases)), timeout,
                   where="", hint="Does a loop in step() or update() never end?")
 
 
+def _refuse_the_course_scaler(cls: Callable) -> None:
+    """The course's scalers (``LossScaler`` and its subclasses) are exercise 04's answer."""
+    if isinstance(cls, type) and issubclass(cls, LossScaler):
+        course = next(k for k in cls.__mro__ if k.__module__ == LossScaler.__module__)
+        which = "is" if cls is course else "subclasses"
+        raise ReferenceRefused(
+            f"{cls.__name__} {which} dtcourse.mixed_precision.{course.__name__}, the course's own answer to exercise "
+            "04, which refuses to run while the exercise's checks run: subclass ScalerBase, as the exercise's cell "
+            "does, and write step() and update() yourself.")
+
+
+_GRAD_SCALER_WHY = ("torch.amp.GradScaler is what your scaler is compared with, so it refuses to run for your code "
+                    "while exercise 04's checks run: write step() and update() yourself")
+
+
+@contextmanager
+def _no_grad_scaler() -> Iterator[None]:
+    """``torch.amp.GradScaler`` (and torch's fused update of its scale) refuse calls from the student's code.
+
+    The check's own GradScaler, built and driven by the check's frames, runs as usual.
+    """
+    def guarded(original: Callable, what: str) -> Callable:
+        def call(*args, **kwargs):
+            refuse_if_student("mixed_precision", what, _GRAD_SCALER_WHY)
+            return original(*args, **kwargs)
+        return call
+
+    cls = torch.amp.GradScaler
+    with ExitStack() as stack:
+        for name in ("__init__", "scale", "unscale_", "step", "update"):
+            original = cls.__dict__[name]
+            setattr(cls, name, guarded(original, f"torch.amp.GradScaler.{name}"))
+            stack.callback(setattr, cls, name, original)
+        original_update = torch._amp_update_scale_
+        torch._amp_update_scale_ = guarded(original_update, "torch._amp_update_scale_")
+        stack.callback(setattr, torch, "_amp_update_scale_", original_update)
+        yield
+
+
 def _scaler_rank(cls: Callable, cases: tuple[str, ...], progress: str) -> list:
-    for name in cases:
-        case = SCALER_CASES[name]
-        label = f"case {name!r} ({case.description})"
-        problem = (_misuse_problem if name == "misuse" else _stream_problem)(cls, case, label, progress)
-        if problem:
-            return [label, problem]
+    with watching(_TOPICS), _no_grad_scaler():
+        for name in cases:
+            case = SCALER_CASES[name]
+            label = f"case {name!r} ({case.description})"
+            problem = (_misuse_problem if name == "misuse" else _stream_problem)(cls, case, label, progress)
+            if problem:
+                return [label, problem]
     Path(progress, "0").write_text("finished")
     return []
 
@@ -97,8 +151,11 @@ class _Side:
         self.models = [MLP((4, 8, 3), seed=i) for i in range(optimizers)]
         self.optimizers = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in self.models]
         self.calls = [0] * optimizers
+        self.stepped_on: list[list[torch.Tensor] | None] = [None] * optimizers    # the gradients step() saw
         for i, opt in enumerate(self.optimizers):
             opt.register_step_post_hook(lambda *_, i=i: self.calls.__setitem__(i, self.calls[i] + 1))
+            opt.register_step_pre_hook(lambda opt, *_, i=i: self.stepped_on.__setitem__(
+                i, [p.grad.detach().clone() for p in self.models[i].parameters()]))
 
     def params(self) -> list[torch.Tensor]:
         return [p.detach().clone() for m in self.models for p in m.parameters()]
@@ -110,10 +167,11 @@ def _stream_problem(cls: Callable, case: _ScalerCase, label: str, progress: str)
     note.write_text(f"{label}, building your scaler")
     ref = _Side(torch.amp.GradScaler("cpu", **case.kwargs), case.optimizers)
     yours = _Side(_as_student(progress, lambda: cls(**case.kwargs)), case.optimizers)
-    expected_scales, your_scales = [], []
+    expected_scales, your_scales, history = [], [], []
     for step in range(case.steps):
         x, y = regression_batch(8, 4, 3, seed=step)
         before = list(ref.calls), list(yours.calls)
+        ref.stepped_on, yours.stepped_on = [None] * case.optimizers, [None] * case.optimizers
         for side, student in ((ref, False), (yours, True)):
             note.write_text(f"{label}, step {step}")
             loss = sum(F.mse_loss(m(x), y) for m in side.models) * case.loss_mult
@@ -135,11 +193,11 @@ def _stream_problem(cls: Callable, case: _ScalerCase, label: str, progress: str)
                 yours_did = {0: "yours skipped it", 1: "yours called it"}.get(got, f"yours called it {got} times")
                 return (f"step {step}: GradScaler {'called' if ran else 'skipped'} {which} {why}, but "
                         f"{yours_did}.")
+        history.append([ref.calls[i] == before[0][i] for i in range(case.optimizers)])    # skipped: an overflow
         diff = max((a - b).abs().max().item() for a, b in zip(ref.params(), yours.params()))
         if not diff == 0:
             return (f"step {step}: after step() your parameters differ from GradScaler's by up to {diff:.3g}. "
-                    "Each gradient must be unscaled exactly once (step() calls unscale_() only if it has not "
-                    "been called this iteration).")
+                    + _unscale_mistake(ref, yours, ref.scaler.get_scale()))
         previous = ref.scaler.get_scale()
         ref.scaler.update()
         _as_student(progress, lambda: yours.scaler.update())
@@ -148,10 +206,82 @@ def _stream_problem(cls: Callable, case: _ScalerCase, label: str, progress: str)
         your_scales.append(got)
         if got != want:
             return _scale_message(step, case, previous, want, got, ref.scaler._get_growth_tracker(),
-                                  expected_scales, your_scales)
+                                  expected_scales, your_scales, history)
         for opt in ref.optimizers + yours.optimizers:
             opt.zero_grad(set_to_none=True)
     return None
+
+
+def _unscale_mistake(ref: _Side, yours: _Side, scale: float) -> str:
+    """Why the parameters differ, when the gradients each optimizer.step() saw show it."""
+    for want, got in zip(ref.stepped_on, yours.stepped_on):
+        if want is None or got is None:
+            continue
+
+        def close(factor: float) -> bool:
+            return all(torch.allclose(g, w * factor, rtol=1e-6, atol=0) for g, w in zip(got, want))
+
+        if close(scale):
+            return (f"optimizer.step() ran on gradients still multiplied by the scale ({scale:g}): step() must "
+                    "unscale them first, by calling unscale_(optimizer) unless it was called this iteration.")
+        if close(1 / scale):
+            return (f"optimizer.step() ran on gradients divided by the scale ({scale:g}) twice: each gradient must be "
+                    "unscaled exactly once (step() calls unscale_() only if it has not been called this iteration).")
+    return ("Each gradient must be unscaled exactly once (step() calls unscale_() only if it has not been called "
+            "this iteration).")
+
+
+@dataclass(frozen=True)
+class _Rule:
+    """A way to choose the next scale: GradScaler's with the defaults, and known mistakes otherwise."""
+
+    backoff: str = "multiply"          # "multiply" by backoff_factor, "divide" by it, or "none"
+    reset_on_backoff: bool = True      # the count of clean steps restarts at a back-off
+    count_overflow: bool = False       # an overflowing step adds to the count of clean steps
+    grow_at: str = "=="                # "==" growth_interval, ">" (one late), "early" (one early), ">=" (every step)
+    reset_on_growth: bool = True
+    any_optimizer: bool = True         # an inf in any optimizer's gradients counts (False: only the last's)
+
+    def scales(self, kwargs: dict, history: list[list[bool]]) -> list[float]:
+        """The scale after each update(), for the skipped-or-not flags of each optimizer in ``history``."""
+        fp32 = lambda x: torch.tensor(x, dtype=torch.float32).item()       # noqa: E731
+        scale, tracker, out = fp32(kwargs.get("init_scale", 2.0 ** 16)), 0, []
+        growth, backoff = kwargs.get("growth_factor", 2.0), kwargs.get("backoff_factor", 0.5)
+        interval = kwargs.get("growth_interval", 2000)
+        for flags in history:
+            if any(flags) if self.any_optimizer else flags[-1]:
+                scale = {"multiply": fp32(scale * backoff), "divide": fp32(scale / backoff), "none": scale}[self.backoff]
+                tracker = tracker + 1 if self.count_overflow else 0 if self.reset_on_backoff else tracker
+            else:
+                tracker += 1
+                grows = {"==": tracker == interval, ">": tracker == interval + 1, "early": tracker == interval - 1,
+                         ">=": tracker >= interval}[self.grow_at]
+                if grows:
+                    grown = fp32(scale * growth)
+                    scale = grown if math.isfinite(grown) else scale
+                    tracker = 0 if self.reset_on_growth else tracker
+            out.append(scale)
+        return out
+
+
+_MISTAKES = [   # the first one differs from GradScaler only with two optimizers or more
+    (_Rule(any_optimizer=False), "looks only at the last optimizer's gradients: it must back off when any "
+                                 "optimizer's gradients held an inf or NaN"),
+    (_Rule(reset_on_backoff=False), "does not restart its count of clean steps at a back-off (after an inf or NaN "
+                                    "the count starts again from 0)"),
+    (_Rule(count_overflow=True), "counts a step that overflowed as a clean one (it backs off, and the count of "
+                                 "clean steps starts again from 0)"),
+    (_Rule(grow_at=">=", reset_on_growth=False), "does not restart its count after growing, and so grows after "
+                                                 "every clean step from then on"),
+    (_Rule(reset_on_growth=False), "does not restart its count after growing, and so never grows again"),
+    (_Rule(grow_at=">"), "grows one step late, after growth_interval + 1 clean steps instead of growth_interval"),
+    (_Rule(grow_at="early"), "grows one step early, after growth_interval - 1 clean steps instead of "
+                             "growth_interval"),
+    (_Rule(backoff="none"), "keeps the scale when a step overflows, instead of multiplying it by backoff_factor"),
+    (_Rule(backoff="none", reset_on_backoff=False), "ignores overflows in update(): it keeps the scale and the "
+                                                    "count of clean steps"),
+    (_Rule(backoff="divide"), "divides the scale by backoff_factor at a back-off instead of multiplying by it"),
+]
 
 
 def _bad(value: float) -> str:
@@ -159,7 +289,7 @@ def _bad(value: float) -> str:
 
 
 def _scale_message(step: int, case: _ScalerCase, previous: float, want: float, got: object, tracker: int,
-                   expected: list[float], yours: list[object]) -> str:
+                   expected: list[float], yours: list[object], history: list[list[bool]]) -> str:
     interval = case.kwargs.get("growth_interval", 2000)
     if want < previous:
         reason = "backed off: this iteration's gradients held an inf or NaN"
@@ -178,6 +308,10 @@ def _scale_message(step: int, case: _ScalerCase, previous: float, want: float, g
     if isinstance(got, float) and got != want and torch.tensor(got, dtype=torch.float32).item() == want:
         message += ("\n    hint: yours differs only in rounding: GradScaler keeps its scale in fp32. Store a new "
                     "scale with self._set_scale(...), and test a grown one with math.isfinite(fp32(...)).")
+    named = [what for rule, what in _MISTAKES if rule.scales(case.kwargs, history) == yours]
+    if named:
+        message += ("\n    Every scale of yours so far is exactly what a scaler gets that "
+                    + "; or that ".join(named) + ".")
     return message
 
 

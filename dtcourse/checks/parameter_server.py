@@ -6,15 +6,17 @@ trains the regression problem in float64 with the student's class on the server 
 consistency model promises:
 
 * ``check_exactly_once``: every push recorded once, and the parameters equal w0 - lr/N * (the sum
-  of every gradient pushed), which holds for plain SGD in any order of arrival;
+  of every gradient pushed), which holds for plain SGD in any order of arrival; and some fast
+  worker was answered ahead of the straggler (holding everyone to the slowest is synchronous);
 * ``check_staleness_bound``: no worker was answered more than s iterations ahead of the slowest,
   but with a straggler the fast workers did run s ahead, and each recorded staleness is
   ``staleness(version, read_version, clock)`` and at most s;
 * ``check_sync_parity``: with s = 0 the run equals one process on the averaged gradients;
 * ``check_hang``: a worker that hangs ends the run within the server's timeout, named.
 
-Every failure is one AssertionError that names the case, the worker, the iteration and the
-numbers::
+The student's class runs inside ``watching({"parameter_server": "03"})``, where the course's own
+``ParameterServer`` refuses to run for it; a class that is or subclasses it is refused at once.
+Every failure is one AssertionError that names the case, the worker, the iteration and the numbers::
 
     check_staleness_bound(AsyncServer, bounds=(1,))
 """
@@ -30,9 +32,11 @@ import torch
 from torch.nn.utils import parameters_to_vector
 
 from dtcourse.checks.common import _where_stuck
-from dtcourse.parameter_server import (Fault, ParameterServerError, Problem, PSConfig, PSRun, reference_sgd,
-                                       staleness, train)
+from dtcourse.checks.guard import watching
+from dtcourse.parameter_server import (Fault, ParameterServer, ParameterServerError, Problem, PSConfig, PSRun,
+                                       ServerResult, reference_sgd, staleness, train)
 from dtcourse.runtime.launch import LaunchTimeout
+from dtcourse.runtime.refuse import ReferenceRefused
 
 __all__ = ["check_exactly_once", "check_staleness_bound", "check_sync_parity", "check_hang", "PS_TOL"]
 
@@ -56,12 +60,40 @@ def _describe(config: PSConfig) -> str:
             f"iterations" + (f", {', '.join(slow)} per iteration" if slow else ""))
 
 
+_TOPICS = {"parameter_server": "03"}
+
+
+def _refuse_the_course_server(cls: Callable) -> None:
+    """The course's ``ParameterServer`` (or a subclass, which inherits its loop) is exercise 03's answer."""
+    if isinstance(cls, type) and issubclass(cls, ParameterServer):
+        which = ("is dtcourse.parameter_server.ParameterServer" if cls is ParameterServer
+                 else "subclasses dtcourse.parameter_server.ParameterServer")
+        raise ReferenceRefused(
+            f"{cls.__name__} {which}, the course's own answer to exercise 03, which refuses to run while the "
+            "exercise's checks run: subclass ServerBase, as the exercise's cell does, and write serve() yourself.")
+
+
+def _watched(cls: Callable) -> type:
+    """What ``train`` builds on each server rank: ``cls``, built and served inside ``watching``."""
+    _refuse_the_course_server(cls)
+
+    class Watched:
+        def __init__(self, config: PSConfig, problem: Problem, group=None):
+            with watching(_TOPICS):
+                self.server = cls(config, problem, group)
+
+        def serve(self) -> ServerResult:
+            with watching(_TOPICS):
+                return self.server.serve()
+    return Watched
+
+
 def _run(cls: Callable, config: PSConfig, timeout: float | None) -> PSRun:
     """Train with ``cls`` on the servers; turn an error or a hang into an AssertionError."""
     name, case = getattr(cls, "__name__", "your server"), _describe(config)
     limit = _timeout(timeout)
     try:
-        return train(config, PROBLEM, server_cls=cls, timeout=limit)
+        return train(config, PROBLEM, server_cls=_watched(cls), timeout=limit)
     except ParameterServerError as err:
         raise AssertionError(_failed_message(name, case, err)) from None
     except LaunchTimeout as err:
@@ -116,15 +148,33 @@ def _params_problem(run: PSRun) -> str | None:
     return message
 
 
+# The slow worker of check_exactly_once sleeps this long in every iteration: a fast worker's iteration
+# takes at most about 60 ms on 2 busy cores, so one is answered ahead of the slow one's first push.
+SLOW_DELAY = 0.1
+
+
+def _ran_ahead_problem(run: PSRun) -> str | None:
+    """None if some worker was answered at least one iteration ahead of another (for s >= 1)."""
+    lead = max(c - sent for _, c, _, sent in _leads(run))
+    if lead >= 1:
+        return None
+    s = run.config.staleness_bound
+    return (f"every push was applied once, but no fast worker ever ran ahead of the slow one: the largest lead "
+            f"was {lead} iterations. With s = {s:g}, a worker whose push is in gets its next parameters at once "
+            f"if it is at most s iterations ahead of the slowest; holding it until every worker has pushed the "
+            f"round makes the server synchronous, and the fast workers wait for the slow one in every iteration")
+
+
 def check_exactly_once(cls: Callable, cases: Sequence[str] = ("async",), timeout: float | None = None) -> None:
-    """Every push applied and recorded exactly once. ``cases``: ``"async"`` (1 server, 3 workers,
-    one slow) and ``"sharded"`` (2 servers, 3 workers, s = 2)."""
-    configs = {"async": PSConfig(world_size=4, mode="async", steps=6, delays=(0, 0, 0.02)),
+    """Every push applied and recorded exactly once, and fast workers not held back by the slow one.
+    ``cases``: ``"async"`` (1 server, 3 workers, one slow) and ``"sharded"`` (2 servers, 3 workers,
+    s = 2, one slow)."""
+    configs = {"async": PSConfig(world_size=4, mode="async", steps=6, delays=(0, 0, SLOW_DELAY)),
                "sharded": PSConfig(world_size=5, num_servers=2, mode="ssp", bound=2, steps=6,
-                                   delays=(0.02, 0, 0))}
+                                   delays=(SLOW_DELAY, 0, 0))}
     for case in cases:
         run = _run(cls, configs[case], timeout)
-        problem = _pushes_problem(run) or _params_problem(run)
+        problem = _pushes_problem(run) or _params_problem(run) or _ran_ahead_problem(run)
         if problem:
             raise AssertionError(f"{getattr(cls, '__name__', 'your server')} is wrong "
                                  f"({_describe(configs[case])}): {problem}")
@@ -147,7 +197,7 @@ def _leads(run: PSRun) -> list[tuple[int, int, int, int]]:
 
 
 def _bound_problem(run: PSRun) -> str | None:
-    """None if no answer ran ahead of the bound and every staleness was recorded right."""
+    """None if no answer ran ahead of the bound and every staleness and version was recorded right."""
     s = run.config.staleness_bound
     for worker, c, other, sent in _leads(run):
         if c - sent > s:
@@ -155,23 +205,44 @@ def _bound_problem(run: PSRun) -> str | None:
                     f"only {sent} pushes: {c} - {sent} = {c - sent} iterations ahead of the slowest, more than "
                     f"s = {s:g}. Answer a waiting worker only when its clock minus the smallest clock is <= s")
     for server in run.servers:
-        version = 0
-        for k, u in enumerate(sorted(server.updates, key=lambda u: u.time)):
-            want = staleness(version, u.read_version, u.clock)
+        updates = sorted(server.updates, key=lambda u: u.time)
+        before, after, version = [], [], 0      # the right version just before and just after each update
+        for u in updates:
+            before.append(version)
+            version = max(version, u.clock + 1)
+            after.append(version)
+        for k, u in enumerate(updates):
+            want = staleness(before[k], u.read_version, u.clock)
             if u.staleness != want:
                 return (f"server {server.index}'s update {k} (worker {u.worker}, iteration {u.clock}): recorded "
-                        f"staleness {u.staleness}, but the version was {version} just before it and the push was "
-                        f"computed on version {u.read_version}, so staleness({version}, {u.read_version}, "
+                        f"staleness {u.staleness}, but the version was {before[k]} just before it and the push "
+                        f"was computed on version {u.read_version}, so staleness({before[k]}, {u.read_version}, "
                         f"{u.clock}) = {want}: pushes of the same or an older iteration do not count")
             if u.staleness > s:
                 return (f"server {server.index}'s update {k} (worker {u.worker}, iteration {u.clock}) has "
                         f"staleness {u.staleness}, above the bound s = {s:g}")
-            version = max(version, u.clock + 1)
-            if u.version != version:
-                return (f"server {server.index}'s update {k} (worker {u.worker}, iteration {u.clock}): "
-                        f"self.version was {u.version} when you recorded it, expected {version}, the largest "
-                        f"clock so far (record after updating self.version)")
+            if u.version != after[k]:
+                return _version_problem(server.index, updates, k, before, after)
     return None
+
+
+def _version_problem(server: int, updates: list, k: int, before: list[int], after: list[int]) -> str:
+    """What is wrong with the version recorded at update ``k``, the first wrong one, as far as the records show."""
+    u = updates[k]
+    where = (f"server {server}'s update {k} (worker {u.worker}'s push of iteration {u.clock}): self.version was "
+             f"{u.version} when you recorded it, expected {after[k]}")
+    recorded = [v.version for v in updates]
+    if k > 0 and u.version < recorded[k - 1]:
+        return (f"{where}. It went back, from {recorded[k - 1]} at the update before: the version is the newest "
+                f"iteration in the parameters, the largest clock so far, and a slower worker's push (iteration "
+                f"{u.clock} here) must not lower it. Keep the larger of self.version and the worker's new clock")
+    if not any(recorded):
+        return (f"{where}. Every update you recorded has version 0: after applying a push, set self.version to "
+                "the largest clock so far")
+    if recorded == before:
+        return (f"{where}. Every update you recorded carries the version from just before its push ({after[k]} "
+                "once this push is in): call self.record(request, staleness) after updating self.version")
+    return f"{where}: the largest clock so far, counting this push"
 
 
 def _reach_problem(run: PSRun, want: int) -> str | None:
@@ -252,7 +323,7 @@ def check_hang(cls: Callable, cases: Sequence[str] = ("ssp",), timeout: float | 
         config = configs[case]
         who, start = config.role(config.num_servers + config.fault.worker), time.monotonic()
         try:
-            train(config, PROBLEM, server_cls=cls, timeout=limit)
+            train(config, PROBLEM, server_cls=_watched(cls), timeout=limit)
         except LaunchTimeout:
             waited = f"the run was still going {limit:g} s later"
         except ParameterServerError as err:
