@@ -1,13 +1,18 @@
 """The autograder and the checks it runs: full marks, zero marks, deadlocks, wrong answers.
 
 Full and zero marks are checked for every exercise (test ids are the notebook names); the
-deadlocks and wrong answers here are exercise 01's, the other exercises' are in
-``test_<stem>_exercise.py``. Each grading run starts a Jupyter kernel (a few seconds). Run just
-these with ``pytest -q tests/test_grading.py``.
+deadlocks, wrong answers and cheats here are exercise 01's, the other exercises' are in
+``test_<stem>_exercise.py``. Exercise 01's checks test the ring itself (who sends to whom, how
+many messages of how many bytes, the same bits on every rank), so right sums sent some other way
+score under half; the cheating functions are defined here, in a test file, because the guards
+tell a student's code from dtcourse's by where it was defined. Each grading run starts a
+Jupyter kernel (a few seconds). Run just these with ``pytest -q tests/test_grading.py``.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import os
 import re
@@ -23,6 +28,7 @@ import torch.distributed as dist
 
 from dtcourse import checks
 from dtcourse.grading.grade import grade_notebook
+from dtcourse.runtime.refuse import ReferenceRefused
 from exercise_harness import (EXPECTED, NAMES, by_id, exercise_path, grade_answers, solution_code, source_path,
                               student_copy)
 
@@ -152,13 +158,15 @@ def broken_report(tmp_path_factory):
 def test_deadlock_is_a_failure_not_a_hang(broken_report):
     report, seconds, leftovers = broken_report
     checks_ = by_id(report)
-    for grade_id, function in [("check_reduce_scatter", "ring_reduce_scatter"),
-                               ("check_reduce_scatter_hidden", "ring_reduce_scatter"),
-                               ("check_all_reduce", "ring_all_reduce")]:
+    message = checks_["check_reduce_scatter"].message
+    assert "ring_reduce_scatter did not finish" in message and "deadlock" in message, message
+    assert "within 2 s" in message and re.search(r"rank\(s\) \[0, 1\]", message), message
+    # the hidden check, and the all-reduce that calls the same reduce-scatter, fail at once
+    for grade_id in ("check_reduce_scatter_hidden", "check_all_reduce", "check_all_reduce_hidden"):
         message = checks_[grade_id].message
         assert checks_[grade_id].points == 0, str(report)
-        assert f"{function} did not finish" in message and "deadlock" in message, message
-        assert "within 2 s" in message and re.search(r"rank\(s\) \[0, 1(, 2)?\]", message), message
+        assert ("not run: ring_reduce_scatter (in check_reduce_scatter) deadlocked in an earlier check"
+                in message), message
     assert checks_["check_ring_step"].passed  # the kernel went on grading after each deadlock
     assert report.exit_code == 1
     assert seconds < 90, f"grading took {seconds:.0f} s"
@@ -206,21 +214,403 @@ def _ring_step(send: torch.Tensor, recv: torch.Tensor) -> None:
         request.wait()
 
 
-def test_checks_reject_a_collective_in_disguise():
-    def all_reduce_by_cheating(tensor):
-        dist.all_reduce(tensor)
+def _ring_reduce_scatter(output: torch.Tensor, input_tensor: torch.Tensor) -> None:
+    rank, n = dist.get_rank(), dist.get_world_size()
+    chunks = input_tensor.reshape(n, -1).clone()
+    incoming = torch.empty_like(chunks[0])
+    for step in range(n - 1):
+        _ring_step(chunks[(rank - step - 1) % n], incoming)
+        chunks[(rank - step - 2) % n] += incoming
+    output.copy_(chunks[rank].reshape(output.shape))
 
-    with pytest.raises(AssertionError, match=r"called torch\.distributed\.all_reduce"):
-        checks.check_all_reduce(all_reduce_by_cheating, world_sizes=(2,), sizes=(3,))
+
+def _ring_all_reduce(tensor: torch.Tensor) -> None:
+    """A ring over uneven chunks, no padding, that skips the empty ones (as dtcourse's own does)."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    flat = tensor.view(-1)
+    parts = flat.tensor_split(n)                      # views; empty ones when numel < n
+    for step in range(2 * (n - 1)):
+        send_c, recv_c = (rank - step - 1) % n, (rank - step - 2) % n
+        incoming = torch.empty_like(parts[recv_c])
+        ops = [dist.P2POp(dist.isend, parts[send_c], (rank + 1) % n)] if parts[send_c].numel() else []
+        ops += [dist.P2POp(dist.irecv, incoming, (rank - 1) % n)] if incoming.numel() else []
+        for request in dist.batch_isend_irecv(ops) if ops else []:
+            request.wait()
+        if step < n - 1:
+            parts[recv_c].add_(incoming)
+        else:
+            parts[recv_c].copy_(incoming)
+
+
+def _whole_tensor_around(tensor: torch.Tensor) -> None:
+    """Right sums, wrong technique: every rank passes whole tensors around the ring, N-1 times."""
+    travelling, total = tensor.clone(), tensor.clone()
+    for _ in range(dist.get_world_size() - 1):
+        incoming = torch.empty_like(tensor)
+        _ring_step(travelling, incoming)
+        total += incoming
+        travelling = incoming
+    tensor.copy_(total)
+
+
+def _through_rank_0(tensor: torch.Tensor) -> None:
+    """Right sums, wrong technique: rank 0 collects every tensor, sums, and sends the total back."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    if rank == 0:
+        incoming = torch.empty_like(tensor)
+        for src in range(1, n):
+            dist.recv(incoming, src)
+            tensor += incoming
+        for dst in range(1, n):
+            dist.send(tensor, dst)
+    else:
+        dist.send(tensor, 0)
+        dist.recv(tensor, 0)
+
+
+def test_right_sums_without_a_ring_fail_on_the_messages():
+    with pytest.raises(AssertionError, match=r"rank 0: sent 1 message to rank 2; in a ring each rank sends only "
+                                             r"to its right neighbour, here rank 1"):
+        checks.check_all_reduce(_through_rank_0, world_sizes=(4,), sizes=(8,))
+    with pytest.raises(AssertionError, match=r"rank 2: sent a message of 22 bytes; a ring "
+                                             r"all-reduce sends one chunk per message, at most ceil\(numel/N\) = 3"):
+        checks.check_all_reduce(_whole_tensor_around, world_sizes=(5,), sizes=(11,), dtypes=(torch.float16,))
+
+    def whole_input_around(output, input_tensor):      # each rank sums every whole input, in its own order
+        rank, n = dist.get_rank(), dist.get_world_size()
+        total = input_tensor.clone()
+        _whole_tensor_around(total)
+        output.copy_(total.reshape(n, -1)[rank].reshape(output.shape))
+
+    with pytest.raises(AssertionError, match=r"rank 1: sent a message of 96 bytes \(288 bytes in all\); a ring "
+                                             r"reduce-scatter of S = 96 bytes on N = 4 ranks sends N-1 = 3 messages "
+                                             r"of one chunk, S/N = 24 bytes, each"):
+        checks.check_reduce_scatter(whole_input_around, world_sizes=(4,), sizes=(6,))
+
+    def step_in_halves(send, recv):
+        for half_send, half_recv in zip(send.chunk(2), recv.chunk(2)):
+            _ring_step(half_send, half_recv)
+
+    with pytest.raises(AssertionError, match=r"sent 2 messages \(16 bytes in all\); one ring step sends one message"):
+        checks.check_ring_exchange(step_in_halves, world_sizes=(2,), sizes=(4,))
+
+
+def test_sums_passed_outside_the_process_group_fail_on_the_bytes(tmp_path):
+    def through_files(tensor):          # no message at all: each rank reads the others' tensors from disk
+        rank, n = dist.get_rank(), dist.get_world_size()
+        torch.save(tensor, tmp_path / f"{rank}.part")
+        (tmp_path / f"{rank}.part").rename(tmp_path / f"{rank}.pt")
+        while len(list(tmp_path.glob("*.pt"))) < n:
+            time.sleep(0.01)
+        tensor.copy_(sum(torch.load(tmp_path / f"{r}.pt") for r in range(n)))
+
+    with pytest.raises(AssertionError, match=r"the 2 ranks sent 0 bytes together; a ring all-reduce moves every "
+                                             r"element N-1 hops .* at least 2\(N-1\)·S = 32 bytes"):
+        checks.check_all_reduce(through_files, world_sizes=(2,), sizes=(4,))
+
+
+def test_every_rank_must_end_with_the_same_bits():
+    def one_rank_off_by_an_ulp(tensor):
+        _ring_all_reduce(tensor)
+        if dist.get_rank() == 2:          # within the rounding tolerance, but not what the others hold
+            tensor.view(-1)[3] = torch.nextafter(tensor.view(-1)[3], torch.tensor(float("inf"), dtype=tensor.dtype))
+
+    with pytest.raises(AssertionError, match=r"rank 2: its result differs from rank 0's, bit for bit, at index 3: "
+                                             r"\S+ here, \S+ on rank 0"):
+        checks.check_all_reduce(one_rank_off_by_an_ulp, world_sizes=(3,), sizes=(5,), dtypes=(torch.float16,))
+
+
+def test_a_ring_that_skips_empty_chunks_passes():
+    # numel < N leaves empty chunks, whose messages it never sends: zero-byte messages are not counted
+    checks.check_all_reduce(_ring_all_reduce, world_sizes=(2, 5), sizes=(1, 3, 7, (2, 3)), dtypes=checks.FLOATS)
+
+
+def test_the_course_reference_refuses_to_be_the_answer():
+    from dtcourse.collectives import ring_all_gather, ring_all_reduce, ring_reduce_scatter, tree_all_reduce
+    from dtcourse.collectives.ring import reduce_scatter_steps
+
+    with pytest.raises(ReferenceRefused, match=r"check_all_reduce was given dtcourse\.collectives\.ring\."
+                                               r"ring_all_reduce, the course's own answer to exercise 01"):
+        checks.check_all_reduce(ring_all_reduce, world_sizes=(2,), sizes=(3,))
+    with pytest.raises(ReferenceRefused, match=r"ring_reduce_scatter, the course's own answer"):
+        checks.check_reduce_scatter(functools.partial(ring_reduce_scatter), world_sizes=(2,))
+    with pytest.raises(AssertionError, match="which is library code, not yours"):
+        checks.check_all_reduce(dist.all_reduce, world_sizes=(2,), sizes=(3,))
+
+    def calls_it(output, input_tensor):
+        ring_all_gather(output, input_tensor)
+
+    with pytest.raises(AssertionError, match=r"rank \d raised ReferenceRefused: dtcourse\.collectives\.ring\."
+                                             r"ring_all_gather is the course's own answer to exercise 01"):
+        checks.check_all_gather(calls_it, world_sizes=(2,), sizes=(3,))
+
+    def calls_its_steps(tensor):           # the ring's inner loop, and the other all-reduces, refuse too
+        rank, n = dist.get_rank(), dist.get_world_size()
+        reduce_scatter_steps(list(tensor.view(-1).tensor_split(n)), rank, n, None, None)
+
+    with pytest.raises(AssertionError, match=r"raised ReferenceRefused: dtcourse\.collectives\.ring\."
+                                             r"reduce_scatter_steps is the course's own answer"):
+        checks.check_all_reduce(calls_its_steps, world_sizes=(2,), sizes=(4,))
+    with pytest.raises(AssertionError, match=r"tree_all_reduce is the course's own answer"):
+        checks.check_all_reduce(lambda tensor: tree_all_reduce(tensor), world_sizes=(2,), sizes=(4,))
+    # outside a check the references run as usual, and the lesson still shows their code
+    assert "def ring_all_reduce(" in inspect.getsource(ring_all_reduce)
+    assert ring_all_reduce.__wrapped__.__name__ == "ring_all_reduce"
+
+
+SAVED_ALL_REDUCE = dist.all_reduce     # taken before any check patches anything
+
+
+def test_collectives_are_refused_however_they_are_reached():
+    import torch.distributed.distributed_c10d as c10d
+
+    def saved_reference(tensor):
+        SAVED_ALL_REDUCE(tensor)
+
+    def through_c10d(tensor):
+        c10d.all_reduce(tensor)
+
+    def all_gather_list(output, input_tensor):
+        dist.all_gather(list(output.chunk(dist.get_world_size())), input_tensor)
+
+    for cheat, check in [(saved_reference, checks.check_all_reduce), (through_c10d, checks.check_all_reduce),
+                         (all_gather_list, checks.check_all_gather)]:
+        with pytest.raises(AssertionError, match=r"rank \d raised ReferenceRefused: your code called a collective "
+                                                 r"\(all(reduce|gather) on the process group"):
+            check(cheat, world_sizes=(2,), sizes=(3,))
 
 
 def test_checks_report_an_unwritten_output():
     def returns_instead(output, input_tensor):
         return input_tensor[: output.numel()].clone()
 
-    with pytest.raises(AssertionError, match="still holds the NaN .* returned a tensor"):
+    with pytest.raises(AssertionError, match="The output was never written: it still holds the NaN it was filled "
+                                             "with and you returned a tensor instead"):
         checks.check_reduce_scatter(returns_instead, world_sizes=(2,), sizes=(2,))
 
+    def assigns_the_name(tensor):
+        tensor = tensor * dist.get_world_size()    # noqa: F841 (the bug: the caller's tensor stays as it was)
+
+    with pytest.raises(AssertionError, match="The tensor did not change at all: nothing wrote into it"):
+        checks.check_all_reduce(assigns_the_name, world_sizes=(2,), sizes=(3,))
+
+
+def test_hints_say_only_what_the_check_saw():
+    # written in place, by adding into the NaN-filled output: not "write in place"
+    def adds_into_the_output(output, input_tensor):
+        total = torch.empty_like(output)
+        _ring_reduce_scatter(total, input_tensor)
+        output += total
+
+    with pytest.raises(AssertionError) as caught:
+        checks.check_reduce_scatter(adds_into_the_output, world_sizes=(2,), sizes=(2,))
+    message = str(caught.value)
+    assert "Your code wrote into the output, but every element still holds, bit for bit, the NaN" in message
+    assert "never written" not in message and "write the result into it in place" not in message
+
+    # written in place, but with this rank's own values: not "did not change at all"
+    def copies_its_input_back(tensor):
+        mine = tensor.clone()
+        _ring_all_reduce(tensor)
+        tensor.copy_(mine)
+
+    with pytest.raises(AssertionError) as caught:
+        checks.check_all_reduce(copies_its_input_back, world_sizes=(2,), sizes=(3,))
+    message = str(caught.value)
+    assert "Your code wrote into the tensor, but it still holds exactly this rank's input" in message
+    assert "did not change" not in message and "assigning to the name" not in message
+
+    # received into, but its own chunk never written: the check says which elements
+    def forgets_its_own_chunk(output, input_tensor):
+        rank, n = dist.get_rank(), dist.get_world_size()
+        chunks = output.view(n, -1)
+        for step in range(n - 1):
+            _ring_step(chunks[(rank - step) % n], chunks[(rank - step - 1) % n])
+
+    with pytest.raises(AssertionError, match=r"rank 1: .*2 elements \(the first at index 2\) still hold the NaN the "
+                                             r"output was filled with: nothing overwrote them.*; 4 elements are "
+                                             r"NaN that the check did not put there"):
+        checks.check_all_gather(forgets_its_own_chunk, world_sizes=(3,), sizes=(2,))
 
 def test_exchange_check_passes_on_odd_world_sizes_and_all_dtypes():
     checks.check_ring_exchange(_ring_step, world_sizes=(3, 5), sizes=(1, (2, 3)), dtypes=checks.FLOATS)
+
+
+# --------------------------------------------------------------------------- #
+# Exercise 01 graded whole: right sums without a ring, the course's own ring,
+# and a correct ring written unlike the solution
+# --------------------------------------------------------------------------- #
+WHOLE_TENSOR_AROUND = {  # every rank passes whole tensors around the ring: N-1 times a ring's bytes
+    "ring_reduce_scatter": '''
+def ring_reduce_scatter(output, input_tensor):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    total, travelling = input_tensor.clone(), input_tensor.clone()
+    for step in range(n - 1):
+        incoming = torch.empty_like(travelling)
+        send_right_recv_left(travelling, incoming)
+        total += incoming
+        travelling = incoming
+    output.copy_(total.reshape(n, -1)[rank].reshape(output.shape))
+''',
+    "ring_all_gather": '''
+def ring_all_gather(output, input_tensor):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    output.view(n, -1)[rank] = input_tensor.reshape(-1)
+    for step in range(n - 1):
+        incoming = torch.empty_like(output)
+        send_right_recv_left(output.clone(), incoming)
+        source = (rank - step - 1) % n
+        output.view(n, -1)[source] = incoming.view(n, -1)[source]
+''',
+    "ring_all_reduce": '''
+def ring_all_reduce(tensor):
+    total, travelling = tensor.clone(), tensor.clone()
+    for step in range(dist.get_world_size() - 1):
+        incoming = torch.empty_like(travelling)
+        send_right_recv_left(travelling, incoming)
+        total += incoming
+        travelling = incoming
+    tensor.copy_(total)
+'''}
+THROUGH_RANK_0 = {  # everything relayed through rank 0, whose link carries (N-1) times the tensor
+    "ring_reduce_scatter": '''
+def ring_reduce_scatter(output, input_tensor):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    if rank == 0:
+        total, incoming = input_tensor.clone(), torch.empty_like(input_tensor)
+        for src in range(1, n):
+            dist.recv(incoming, src)
+            total += incoming
+        chunks = total.reshape(n, -1)
+        for dst in range(1, n):
+            dist.send(chunks[dst].contiguous(), dst)
+        output.copy_(chunks[0].reshape(output.shape))
+    else:
+        dist.send(input_tensor.contiguous(), 0)
+        dist.recv(output, 0)
+''',
+    "ring_all_gather": '''
+def ring_all_gather(output, input_tensor):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    chunks = output.view(n, -1)
+    chunks[rank] = input_tensor.reshape(-1)
+    if rank == 0:
+        for src in range(1, n):
+            dist.recv(chunks[src], src)
+        for dst in range(1, n):
+            dist.send(output, dst)
+    else:
+        dist.send(input_tensor.contiguous(), 0)
+        dist.recv(output, 0)
+''',
+    "ring_all_reduce": '''
+def ring_all_reduce(tensor):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    if rank == 0:
+        incoming = torch.empty_like(tensor)
+        for src in range(1, n):
+            dist.recv(incoming, src)
+            tensor += incoming
+        for dst in range(1, n):
+            dist.send(tensor, dst)
+    else:
+        dist.send(tensor, 0)
+        dist.recv(tensor, 0)
+'''}
+COURSE_RING = {  # the course's own ring, imported, called, or reached through a saved collective
+    "ring_reduce_scatter": "from dtcourse.collectives import ring_reduce_scatter\n",
+    "ring_all_gather": '''
+import dtcourse.collectives as course
+
+def ring_all_gather(output, input_tensor):
+    course.ring_all_gather(output, input_tensor)
+''',
+    "ring_all_reduce": '''
+everyone_at_once = dist.all_reduce          # saved before any check runs
+
+def ring_all_reduce(tensor):
+    everyone_at_once(tensor)
+'''}
+ANOTHER_RING = {  # correct, and unlike the solution: irecv/isend pairs, uneven chunks, no padding
+    "send_right_recv_left": '''
+def send_right_recv_left(send, recv):
+    me, world = dist.get_rank(), dist.get_world_size()
+    arriving = dist.irecv(recv, (me - 1) % world)     # post the receive first, then the send
+    leaving = dist.isend(send, (me + 1) % world)
+    arriving.wait()
+    leaving.wait()
+''',
+    "ring_reduce_scatter": '''
+def ring_reduce_scatter(output, input_tensor):
+    me, world = dist.get_rank(), dist.get_world_size()
+    parts = [part.clone() for part in input_tensor.reshape(-1).tensor_split(world)]
+    for step in range(world - 1):
+        outgoing, landing = (me - step - 1) % world, (me - step - 2) % world
+        buffer = torch.empty_like(parts[landing])
+        requests = [dist.irecv(buffer, (me - 1) % world), dist.isend(parts[outgoing], (me + 1) % world)]
+        for request in requests:
+            request.wait()
+        parts[landing] = parts[landing] + buffer
+    output.copy_(parts[me].view_as(output))
+''',
+    "ring_all_gather": '''
+def ring_all_gather(output, input_tensor):
+    me, world = dist.get_rank(), dist.get_world_size()
+    pieces = output.view(-1).tensor_split(world)
+    pieces[me].copy_(input_tensor.reshape(-1))
+    for step in range(world - 1):
+        arriving = dist.irecv(pieces[(me - step - 1) % world], (me - 1) % world)
+        leaving = dist.isend(pieces[(me - step) % world], (me + 1) % world)
+        arriving.wait()
+        leaving.wait()
+''',
+    "ring_all_reduce": '''
+def ring_all_reduce(tensor):
+    me, world = dist.get_rank(), dist.get_world_size()
+    flat = tensor.reshape(-1).clone()
+    parts = flat.tensor_split(world)     # uneven views, empty ones when numel < world: sent all the same
+    for step in range(2 * (world - 1)):  # N-1 steps summing, then N-1 copying
+        outgoing, landing = (me - step - 1) % world, (me - step - 2) % world
+        buffer = torch.empty_like(parts[landing])
+        requests = [dist.irecv(buffer, (me - 1) % world), dist.isend(parts[outgoing], (me + 1) % world)]
+        for request in requests:
+            request.wait()
+        if step < world - 1:
+            parts[landing].add_(buffer)
+        else:
+            parts[landing].copy_(buffer)
+    tensor.copy_(flat.view_as(tensor))
+'''}
+RING_CHECKS = ["check_reduce_scatter", "check_reduce_scatter_hidden", "check_all_gather", "check_all_gather_hidden",
+               "check_all_reduce", "check_all_reduce_hidden"]
+
+
+@pytest.mark.parametrize("kind", ["whole_tensor_around", "through_rank_0"])
+def test_right_sums_without_a_ring_score_under_half(tmp_path, kind):
+    answers = {"whole_tensor_around": WHOLE_TENSOR_AROUND, "through_rank_0": THROUGH_RANK_0}[kind]
+    report = grade_answers(NAME, tmp_path, dict(solution_code(NAME), **answers))
+    assert report.score < report.max_score / 2, str(report)
+    assert by_id(report)["check_ring_step"].passed, str(report)
+    checks_ = by_id(report)
+    for grade_id in RING_CHECKS:
+        message = checks_[grade_id].message
+        assert checks_[grade_id].points == 0, str(report)
+        assert "is wrong at world size" in message and "expected" not in message, message
+        assert re.search(r"right neighbour|of one chunk|sends one chunk per message", message), message
+
+
+def test_the_course_ring_scores_nothing_but_the_step(tmp_path):
+    report = grade_answers(NAME, tmp_path, dict(solution_code(NAME), **COURSE_RING))
+    assert report.score == 1 and not report.flagged, str(report)
+    checks_ = by_id(report)
+    for grade_id in ("check_reduce_scatter", "check_reduce_scatter_hidden"):
+        assert "was given dtcourse.collectives.ring.ring_reduce_scatter, the course's own answer to exercise 01" \
+            in checks_[grade_id].message, checks_[grade_id].message
+    assert re.search(r"raised ReferenceRefused: dtcourse\.collectives\.ring\.ring_all_gather is the course's own "
+                     r"answer to exercise 01", checks_["check_all_gather"].message), checks_["check_all_gather"].message
+    assert "your code called a collective (allreduce on the process group" in checks_["check_all_reduce"].message
+
+
+def test_a_ring_unlike_the_solution_gets_full_marks(tmp_path):
+    report = grade_answers(NAME, tmp_path, dict(solution_code(NAME), **ANOTHER_RING))
+    assert report.score == report.max_score == EXPECTED[NAME].points, str(report)

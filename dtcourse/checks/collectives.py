@@ -1,42 +1,57 @@
-"""Checks for the collective exercises: a student's function against torch.distributed.
+"""Checks for exercise 01 (ring collectives): a student's function against torch.distributed, and its traffic.
 
-Each check runs the student's function on every world size it is given, with
-``dtcourse.launch``, and in the same ranks runs PyTorch's own collective on the
-same inputs. On any difference it raises ``AssertionError`` that names the world
-size, the case (dtype and size), the rank and the element, with the expected and
-the actual value. A rank that raises is reported with the student's error, and
-a deadlock becomes a failure after ``timeout`` seconds, never a hang.
+Each check runs the student's function on every world size it is given (``dtcourse.launch``)
+next to PyTorch's own collective on the same inputs, and reports the first case that breaks one
+of three rules, with the world size, the case, the rank, what was expected and what was seen:
 
-Example::
+1. **The numbers** match PyTorch's (bit for bit where nothing is added; within a rounding bound
+   where sums are reordered).
+2. **The traffic is a ring's**, as ``dtcourse.checks.guard.watching`` records it: each rank sends
+   only to rank + 1 and receives only from rank - 1 (mod N). For a big tensor of S bytes, a
+   reduce-scatter or all-gather sends N-1 messages of one chunk (S/N), (N-1)/N·S in all; an
+   all-reduce sends at most 2(N-1) messages of at most ceil(numel/N) elements (padding allowed),
+   and the ranks together at least 2(N-1)·S, what an unpadded ring sends; a ring step sends one
+   message, the whole tensor. A zero-byte message carries nothing and is not counted: a ring over
+   fewer elements than ranks may send its empty chunks or skip them.
+3. **One answer everywhere**: after an all-reduce or all-gather every rank holds rank 0's bits.
+
+The student's code may send only point-to-point messages (every collective of the process group
+raises), and the course's own answers in ``dtcourse.collectives`` refuse to run, or to be passed
+to a check. A raised error is reported as the student's, a deadlock as a failure::
 
     from dtcourse.checks import check_all_reduce
     check_all_reduce(ring_all_reduce, world_sizes=(2, 3), sizes=(1, 7, (3, 5)))
 
-``timeout=None`` means ``$DTCOURSE_CHECK_TIMEOUT`` seconds (20 if unset), per
-world size; the autograder sets it (``python -m dtcourse.grade --check-timeout``).
-By default the student's function may use only point-to-point messages: while
-it runs, the collectives in ``torch.distributed`` raise.
+``timeout=None`` means ``$DTCOURSE_CHECK_TIMEOUT`` seconds (20 if unset) per world size.
 """
 
 from __future__ import annotations
 
+import inspect
 import warnings
-from contextlib import contextmanager
+from collections import Counter
 from functools import partial
-from typing import Callable, Iterator, Sequence
+from types import FunctionType
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from dtcourse.checks.common import _as_student, _launch_check, _stop_at_first_failure
+from dtcourse.checks.guard import Watch, watching
+from dtcourse.runtime.refuse import ReferenceRefused, is_library_file
 
 __all__ = ["check_ring_exchange", "check_reduce_scatter", "check_all_gather", "check_all_reduce", "FLOATS"]
 
 Size = int | tuple[int, ...]
 FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-_COLLECTIVES = ("all_reduce", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single",
-                "all_gather", "all_gather_into_tensor", "all_gather_single", "broadcast", "reduce",
-                "all_to_all", "all_to_all_single", "scatter", "gather")
+TOPICS = {"collectives": "01"}     # the references refused while these checks run
+_NAMES = {"ring_exchange": "ring step", "reduce_scatter": "ring reduce-scatter", "all_gather": "ring all-gather",
+          "all_reduce": "ring all-reduce"}
+# Each float's integer of the same width (to compare bits) and its quiet NaN, whose low bits the
+# check sets to rank + 1, so that a rank's unwritten output is told apart by its bits.
+_BITS = {torch.float16: (torch.int16, 0x7E00), torch.bfloat16: (torch.int16, 0x7FC0),
+         torch.float32: (torch.int32, 0x7FC00000), torch.float64: (torch.int64, 0x7FF8000000000000)}
 _DEADLOCK_HINT = (
     "This is most likely a deadlock: a rank waits in recv() or wait() for a message its "
     "neighbour never sends. Post each step's send and receive together (dist.isend + "
@@ -45,53 +60,48 @@ _DEADLOCK_HINT = (
 
 
 def check_ring_exchange(fn: Callable, world_sizes: Sequence[int] = (2, 3), sizes: Sequence[Size] = (1, 4),
-                        dtypes: Sequence[torch.dtype] = (torch.float32,), timeout: float | None = None,
-                        p2p_only: bool = True) -> None:
-    """``fn(send, recv)`` must send ``send`` to rank + 1 and fill ``recv`` from rank - 1 (mod N)."""
-    _run("ring_exchange", fn, world_sizes, sizes, dtypes, timeout, p2p_only)
+                        dtypes: Sequence[torch.dtype] = (torch.float32,), timeout: float | None = None) -> None:
+    """``fn(send, recv)`` must send ``send`` to rank + 1, in one message, and fill ``recv`` from rank - 1 (mod N)."""
+    _run("ring_exchange", fn, world_sizes, sizes, dtypes, timeout)
 
 
 def check_reduce_scatter(fn: Callable, world_sizes: Sequence[int] = (2, 4), sizes: Sequence[Size] = (1, 3),
-                         dtypes: Sequence[torch.dtype] = (torch.float32,), timeout: float | None = None,
-                         p2p_only: bool = True) -> None:
-    """``fn(output, input)`` must match ``dist.reduce_scatter_tensor`` (sum).
+                         dtypes: Sequence[torch.dtype] = (torch.float32,), timeout: float | None = None) -> None:
+    """``fn(output, input)`` must match ``dist.reduce_scatter_tensor`` (sum), sending as a ring does.
 
-    ``sizes`` are the shapes of ``output``; ``input`` is ``world_size`` of them
-    concatenated along the first dimension.
+    ``sizes`` are the shapes of ``output``; ``input`` is ``world_size`` of them, concatenated on dim 0.
     """
-    _run("reduce_scatter", fn, world_sizes, sizes, dtypes, timeout, p2p_only)
+    _run("reduce_scatter", fn, world_sizes, sizes, dtypes, timeout)
 
 
 def check_all_gather(fn: Callable, world_sizes: Sequence[int] = (2, 4), sizes: Sequence[Size] = (1, 3),
-                     dtypes: Sequence[torch.dtype] = (torch.float32,), timeout: float | None = None,
-                     p2p_only: bool = True) -> None:
-    """``fn(output, input)`` must match ``dist.all_gather_into_tensor`` exactly.
+                     dtypes: Sequence[torch.dtype] = (torch.float32,), timeout: float | None = None) -> None:
+    """``fn(output, input)`` must match ``dist.all_gather_into_tensor`` exactly, sending as a ring does.
 
-    ``sizes`` are the shapes of ``input``; ``output`` is ``world_size`` of them
-    concatenated along the first dimension.
+    ``sizes`` are the shapes of ``input``; ``output`` is ``world_size`` of them, concatenated on dim 0.
     """
-    _run("all_gather", fn, world_sizes, sizes, dtypes, timeout, p2p_only)
+    _run("all_gather", fn, world_sizes, sizes, dtypes, timeout)
 
 
 def check_all_reduce(fn: Callable, world_sizes: Sequence[int] = (2, 4), sizes: Sequence[Size] = (1, 6),
-                     dtypes: Sequence[torch.dtype] = (torch.float32,), timeout: float | None = None,
-                     p2p_only: bool = True) -> None:
-    """``fn(tensor)`` must sum ``tensor`` over the ranks in place, as ``dist.all_reduce`` does.
+                     dtypes: Sequence[torch.dtype] = (torch.float32,), timeout: float | None = None) -> None:
+    """``fn(tensor)`` must sum ``tensor`` over the ranks in place, as ``dist.all_reduce`` does, as a ring.
 
     ``sizes`` are the shapes of ``tensor``: any, including fewer elements than ranks.
     """
-    _run("all_reduce", fn, world_sizes, sizes, dtypes, timeout, p2p_only)
+    _run("all_reduce", fn, world_sizes, sizes, dtypes, timeout)
 
 
 # --------------------------------------------------------------------------- #
 # In the notebook's process
 # --------------------------------------------------------------------------- #
 def _run(kind: str, fn: Callable, world_sizes: Sequence[int], sizes: Sequence[Size],
-         dtypes: Sequence[torch.dtype], timeout: float | None, p2p_only: bool) -> None:
+         dtypes: Sequence[torch.dtype], timeout: float | None) -> None:
     """One launch per world size runs every case; the first that goes wrong raises AssertionError."""
     if not callable(fn):
         raise TypeError(f"check_{kind}: pass your function itself, e.g. check_{kind}(my_fn), "
                         f"not {type(fn).__name__}")
+    _refuse_library_code(kind, fn)
     shapes = [(s,) if isinstance(s, int) else tuple(s) for s in sizes]
     if not shapes or any(not shape or min(shape) < 1 for shape in shapes):
         raise ValueError(f"check_{kind}: sizes must be positive ints or shapes, got {sizes!r}")
@@ -100,18 +110,38 @@ def _run(kind: str, fn: Callable, world_sizes: Sequence[int], sizes: Sequence[Si
     cases = [(dtype, shape) for dtype in dtypes for shape in shapes]
     for world_size in world_sizes:
         _launch_check(getattr(fn, "__name__", "your function"), world_size, _rank_main,
-                      (kind, fn, cases, p2p_only), timeout, where=f" at world size {world_size}",
-                      hint=_DEADLOCK_HINT)
+                      (kind, fn, cases), timeout, where=f" at world size {world_size}", hint=_DEADLOCK_HINT)
+
+
+def _refuse_library_code(kind: str, fn: Callable) -> None:
+    """Refuse the course's answer or library code handed to the check itself (the references refuse only
+    calls from a student's frame), seen through partials, bound methods and ``functools.wraps``."""
+    inner = fn
+    while isinstance(inner, partial) or inspect.ismethod(inner):
+        inner = inner.func if isinstance(inner, partial) else inner.__func__
+    inner = inspect.unwrap(inner, stop=lambda f: hasattr(f, "__dtcourse_reference__"))
+    if not isinstance(inner, FunctionType) and callable(inner) and not inspect.isbuiltin(inner):
+        inner = getattr(type(inner), "__call__", inner)       # an object called like a function
+    what = f"{getattr(inner, '__module__', '?')}.{getattr(inner, '__qualname__', repr(inner))}"
+    if hasattr(inner, "__dtcourse_reference__"):
+        raise ReferenceRefused(
+            f"check_{kind} was given {what}, the course's own answer to exercise {TOPICS['collectives']}; it "
+            "refuses to run while that exercise's checks run. Write the function yourself (lesson 01 shows how "
+            "the ring works) and pass that.")
+    if inspect.isbuiltin(inner) or (isinstance(inner, FunctionType) and is_library_file(inner.__code__.co_filename)):
+        raise AssertionError(
+            f"check_{kind} was given {what}, which is library code, not yours: the exercise asks you to build "
+            "it from point-to-point messages. Pass the function you wrote.")
 
 
 # --------------------------------------------------------------------------- #
 # Inside each rank
 # --------------------------------------------------------------------------- #
-def _rank_main(kind: str, fn: Callable, cases: list, p2p_only: bool, progress: str) -> list:
+def _rank_main(kind: str, fn: Callable, cases: list, progress: str) -> list:
     """Run every case on this rank; return [] or (case, message) for the first wrong case."""
     world_size = dist.get_world_size()
     runs = [(f"case {_describe(kind, dtype, shape, world_size)}",
-             partial(_run_case, kind, fn, dtype, shape, index, progress, p2p_only))
+             partial(_run_case, kind, fn, dtype, shape, index, progress))
             for index, (dtype, shape) in enumerate(cases)]
     return _stop_at_first_failure(runs, progress)
 
@@ -131,6 +161,16 @@ def _random(shape: tuple, dtype: torch.dtype, seed: int) -> torch.Tensor:
     return torch.randn(shape, generator=generator, dtype=torch.float64).to(dtype)
 
 
+def _unwritten(shape: tuple, dtype: torch.dtype, rank: int) -> torch.Tensor:
+    """An output that starts as NaN, so that an unwritten element cannot pass; its bits name this rank."""
+    ints, quiet_nan = _BITS[dtype]
+    return torch.full(shape, quiet_nan | (rank + 1), dtype=ints).view(dtype)
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.contiguous().view(_BITS[tensor.dtype][0])
+
+
 def _reference(name: str, *args: torch.Tensor) -> None:
     """PyTorch's collective; newer names first, deprecation warnings silenced (stderr fails nbgrader)."""
     newer = {"reduce_scatter_tensor": "reduce_scatter_single", "all_gather_into_tensor": "all_gather_single"}
@@ -139,11 +179,9 @@ def _reference(name: str, *args: torch.Tensor) -> None:
         (getattr(dist, newer.get(name, name), None) or getattr(dist, name))(*args)
 
 
-def _run_case(kind: str, fn: Callable, dtype: torch.dtype, shape: tuple, index: int, progress: str,
-              p2p_only: bool) -> str | None:
+def _run_case(kind: str, fn: Callable, dtype: torch.dtype, shape: tuple, index: int, progress: str) -> str | None:
     rank, n = dist.get_rank(), dist.get_world_size()
     big = (n * shape[0], *shape[1:])
-    nan = float("nan")  # outputs start as NaN, so an unwritten element cannot pass
     x = _random(big if kind == "reduce_scatter" else shape, dtype, seed=1000 * index + rank)
     # Sums over N ranks in two different orders (PyTorch's and the student's) may
     # differ: each rounds N-1 times, by at most eps/2 of a partial sum that is no
@@ -153,41 +191,62 @@ def _run_case(kind: str, fn: Callable, dtype: torch.dtype, shape: tuple, index: 
     tolerance = torch.zeros(())
     if kind == "ring_exchange":
         expected = _random(shape, dtype, seed=1000 * index + (rank - 1) % n)
-        got = torch.full(shape, nan, dtype=dtype)
-        args = (x, got)
+        got = _unwritten(shape, dtype, rank)
+        args, whole = (x, got), x.nbytes
     elif kind == "reduce_scatter":
         expected, tolerance = torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=torch.float64)
         _reference("reduce_scatter_tensor", expected, x.clone())
         _reference("reduce_scatter_tensor", tolerance, x.abs().double())
         tolerance *= n * torch.finfo(dtype).eps
-        got = torch.full(shape, nan, dtype=dtype)
-        args = (got, x)
+        got = _unwritten(shape, dtype, rank)
+        args, whole = (got, x), x.nbytes
     elif kind == "all_gather":
-        expected, got = torch.empty(big, dtype=dtype), torch.full(big, nan, dtype=dtype)
+        expected, got = torch.empty(big, dtype=dtype), _unwritten(big, dtype, rank)
         _reference("all_gather_into_tensor", expected, x.clone())
-        args = (got, x)
+        args, whole = (got, x), got.nbytes
     else:  # all_reduce, in place
         expected, tolerance = x.clone(), x.abs().double()
         _reference("all_reduce", expected)
         _reference("all_reduce", tolerance)
         tolerance *= n * torch.finfo(dtype).eps
         got = x.clone()
-        args = (got,)
-    original = x.clone()
-    with _point_to_point_only(getattr(fn, "__name__", "your function"), p2p_only):
+        args, whole = (got,), x.nbytes
+    original, before, version = x.clone(), got.clone(), got._version
+    with watching(TOPICS, p2p_only=True) as watch:
         returned = _as_student(progress, lambda: fn(*args))
+
     if kind != "all_reduce" and not torch.equal(x, original):
-        return "changed its input tensor; a collective must leave its input as it was (work on a copy)"
-    problem = _compare(got, expected, tolerance, returned)
-    if problem and kind == "all_reduce" and n > 1 and torch.equal(got, original):
-        problem += (". The tensor did not change at all: sum into it in place (e.g. tensor.copy_(total)); "
-                    "assigning a new tensor to the name inside your function changes nothing outside")
-    return problem
+        problem = "changed its input tensor; a collective must leave its input as it was (work on a copy)"
+    else:
+        problem = _compare(got, expected, tolerance, before, version, returned, kind == "all_reduce")
+    problem = problem or _traffic_problem(kind, watch, whole, expected.numel(), dtype.itemsize, rank, n)
+    # Outside the watch, and on every rank whatever it found: each rank's bytes sent, whether it
+    # found nothing wrong, and its result's bits (zeros if the student changed its shape).
+    same_shape = got.shape == expected.shape and got.dtype == expected.dtype
+    bits = _bits(got).reshape(-1).long() if same_shape else torch.zeros(expected.numel(), dtype=torch.long)
+    mine = torch.cat([torch.tensor([sum(b for _, b in watch.sent), problem is None]), bits])
+    rows = [torch.empty_like(mine) for _ in range(n)]
+    dist.all_gather(rows, mine)                        # sends (2 + numel) * 8 bytes per rank
+    if problem or not all(row[1] for row in rows):     # report the first kind of problem alone
+        return problem
+    if kind == "all_reduce":
+        together = sum(int(row[0]) for row in rows)
+        if together < 2 * (n - 1) * whole:
+            return (f"the {n} ranks sent {together} bytes together; a ring all-reduce moves every element N-1 "
+                    f"hops in its reduce-scatter and N-1 in its all-gather, at least 2(N-1)·S = "
+                    f"{2 * (n - 1) * whole} bytes for a tensor of S = {whole} bytes")
+    if kind in ("all_reduce", "all_gather"):
+        return _differs_from_rank_0(got, rows, rank)
+    return None
 
 
-def _compare(got: torch.Tensor, expected: torch.Tensor, tolerance: torch.Tensor,
-             returned: object) -> str | None:
-    """None if ``got`` matches, else where it first differs and by how much."""
+def _compare(got: torch.Tensor, expected: torch.Tensor, tolerance: torch.Tensor, before: torch.Tensor,
+             version: int, returned: object, in_place: bool) -> str | None:
+    """None if ``got`` matches, else where it first differs, by how much, and what the bits show.
+
+    ``before`` and ``version`` are ``got``'s bits and version counter before the call. Every in-place
+    op on it or a view moves the counter, a received message does not: "never written" needs both.
+    """
     if got.shape != expected.shape or got.dtype != expected.dtype:
         return (f"the output became {tuple(got.shape)} {got.dtype} during the call; it must stay "
                 f"{tuple(expected.shape)} {expected.dtype}: write into it in place")
@@ -195,36 +254,96 @@ def _compare(got: torch.Tensor, expected: torch.Tensor, tolerance: torch.Tensor,
     if not bad.any():
         return None
     flat = int(bad.reshape(-1).nonzero()[0])
-    index = flat if got.dim() == 1 else tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), got.shape))
     want, have = expected.reshape(-1)[flat].item(), got.reshape(-1)[flat].item()
-    message = f"index {index}: expected {want:.6g}, got {have:.6g}"
+    message = f"index {_index(flat, got.shape)}: expected {want:.6g}, got {have:.6g}"
     if tolerance.any():
         message += f" (tolerance {tolerance.reshape(-1)[flat].item():.2g})"
     message += f"; {int(bad.sum())} of {got.numel()} elements wrong"
-    if got.isnan().all():
+    kept = _bits(got) == _bits(before)                  # still the bits the check put there
+    untouched = got._version == version and bool(kept.all())
+    nan, filled = got.isnan(), got.isnan() & kept       # the all-reduce's input holds no NaN: filled is empty
+    if in_place and untouched:
+        message += (". The tensor did not change at all: nothing wrote into it. Sum into it in place (e.g. "
+                    "tensor.copy_(total)); assigning to the name inside your function (tensor = ...) leaves the "
+                    "caller's tensor as it was")
+    elif in_place and kept.all():
+        message += ". Your code wrote into the tensor, but it still holds exactly this rank's input"
+    elif untouched:
         hint = " and you returned a tensor instead" if isinstance(returned, torch.Tensor) else ""
-        message += (f". The output still holds the NaN it was filled with{hint}: write the result into "
-                    "it in place, e.g. output.copy_(result)")
-    elif got.isnan().any():
-        message += ". Some outputs were never written (they still hold NaN) or you added into them"
+        message += (f". The output was never written: it still holds the NaN it was filled with{hint}. Write the "
+                    "result into it in place, e.g. output.copy_(result)")
+    elif filled.all():
+        message += (". Your code wrote into the output, but every element still holds, bit for bit, the NaN it "
+                    "was filled with before the call: adding or multiplying into a NaN leaves it NaN. Overwrite "
+                    "the output (output.copy_(result)) rather than adding into it")
+    elif filled.any():
+        first = int(filled.reshape(-1).nonzero()[0])
+        message += (f". {int(filled.sum())} elements (the first at index {_index(first, got.shape)}) still hold the "
+                    "NaN the output was filled with: nothing overwrote them (adding into a NaN leaves it NaN)")
+    if (nan & ~kept).any():
+        message += (f"{'; ' if filled.any() else '. '}{int((nan & ~kept).sum())} elements are NaN that the check "
+                    "did not put there: your code computed or received them")
     return message
 
 
-@contextmanager
-def _point_to_point_only(name: str, enabled: bool) -> Iterator[None]:
-    """While the student's function runs in this rank, make every collective raise."""
-    saved = {attr: getattr(dist, attr) for attr in _COLLECTIVES if enabled and hasattr(dist, attr)}
+def _index(flat: int, shape: torch.Size) -> int | tuple[int, ...]:
+    return flat if len(shape) == 1 else tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), shape))
 
-    def forbidden(attr: str) -> Callable:
-        def call(*args, **kwargs):
-            raise AssertionError(f"{name} called torch.distributed.{attr}; build it from point-to-point "
-                                 "messages only (isend/irecv, send/recv or batch_isend_irecv)")
-        return call
 
-    for attr in saved:
-        setattr(dist, attr, forbidden(attr))
-    try:
-        yield
-    finally:
-        for attr, value in saved.items():
-            setattr(dist, attr, value)
+def _traffic_problem(kind: str, watch: Watch, whole: int, numel: int, itemsize: int, rank: int,
+                     n: int) -> str | None:
+    """None if this rank's messages are a ring's, else the first rule they break.
+
+    ``whole`` is S, the bytes of the big tensor (of the tensor sent, for a ring step); ``numel`` the
+    result's elements. Messages of zero bytes are left out."""
+    right, left, name = (rank + 1) % n, (rank - 1) % n, _NAMES[kind]
+    if watch.collectives:
+        called = ", ".join(sorted({method for method, _ in watch.collectives}))
+        return (f"ran a collective ({called} on the process group); a {name} is built from point-to-point "
+                "messages only")
+    sent = [(peer, nbytes) for peer, nbytes in watch.sent if nbytes]
+    received = [(peer, nbytes) for peer, nbytes in watch.received if nbytes]
+    for peer, count in Counter(peer for peer, _ in sent if peer != right).items():
+        return (f"sent {_count(count, 'message')} to rank {peer}; in a ring each rank sends only to its right "
+                f"neighbour, here rank {right}")
+    for peer, count in Counter(peer for peer, _ in received if peer != left).items():
+        return (f"received {_count(count, 'message')} from rank {peer}; in a ring each rank receives only from "
+                f"its left neighbour, here rank {left}")
+    total = sum(nbytes for _, nbytes in sent)
+    if kind == "ring_exchange":
+        return None if (len(sent), total) == (1, whole) else (
+            f"sent {_count(len(sent), 'message')} ({total} bytes in all); one ring step sends one message, the "
+            f"whole send tensor ({whole} bytes), to rank {right}")
+    if kind in ("reduce_scatter", "all_gather"):
+        chunk = whole // n
+        rule = (f"a {name} of S = {whole} bytes on N = {n} ranks sends N-1 = {_count(n - 1, 'message')} of one "
+                f"chunk, S/N = {chunk} bytes, each: (N-1)/N·S = {(n - 1) * chunk} bytes in all")
+        if len(sent) != n - 1:
+            return f"sent {_count(len(sent), 'message')} ({total} bytes in all); {rule}"
+        for nbytes in {nbytes for _, nbytes in sent if nbytes != chunk}:
+            return f"sent a message of {nbytes} bytes ({total} bytes in all); {rule}"
+        return None
+    k = -(-numel // n)                       # elements in the largest chunk, padded or not
+    for nbytes in {nbytes for _, nbytes in sent if nbytes > k * itemsize}:
+        return (f"sent a message of {nbytes} bytes; a ring all-reduce sends one chunk per message, at most "
+                f"ceil(numel/N) = {_count(k, 'element')} = {k * itemsize} bytes here ({numel} elements on {n} ranks)")
+    if len(sent) > 2 * (n - 1):
+        return (f"sent {len(sent)} messages ({total} bytes in all); a ring all-reduce sends at most 2(N-1) = "
+                f"{2 * (n - 1)}, one chunk in each of the N-1 steps of its reduce-scatter and N-1 of its all-gather")
+    return None
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}{'s' * (number != 1)}"
+
+
+def _differs_from_rank_0(got: torch.Tensor, rows: list[torch.Tensor], rank: int) -> str | None:
+    """None if this rank's result has rank 0's bits, else the first index where it does not."""
+    differ = rows[rank][2:] != rows[0][2:]
+    if rank == 0 or not differ.any():
+        return None
+    flat = int(differ.nonzero()[0])
+    theirs = rows[0][2 + flat:3 + flat].to(_BITS[got.dtype][0]).view(got.dtype).item()   # bits back to a float
+    return (f"its result differs from rank 0's, bit for bit, at index {_index(flat, got.shape)}: "
+            f"{got.reshape(-1)[flat].item()!r} here, {theirs!r} on rank 0. Every rank must end with the same "
+            "bits: a ring works out each chunk once, on one rank, and then copies it unchanged to every rank")

@@ -28,6 +28,7 @@ from collections import deque
 import torch
 
 from dtcourse.collectives.messages import ByteCounter, receive, send
+from dtcourse.runtime.refuse import reference
 
 __all__ = ["IN_FLIGHT", "AHEAD", "sliced", "pipelined_reduce_scatter_steps", "pipelined_all_gather_steps"]
 
@@ -41,6 +42,7 @@ def sliced(tensor: torch.Tensor, slices: int) -> list[torch.Tensor]:
     return list(tensor.split([base + (1 if j < extra else 0) for j in range(slices)]))
 
 
+@reference("collectives", "01")
 def pipelined_reduce_scatter_steps(chunks: list[torch.Tensor], rank: int, world: int, group,
                                    counter: ByteCounter | None, slices: int) -> None:
     """``ring.reduce_scatter_steps`` as (N-1)·k slice transfers; transfer t is slice t % k of step t // k."""
@@ -79,6 +81,7 @@ def pipelined_reduce_scatter_steps(chunks: list[torch.Tensor], rank: int, world:
         land(*in_flight.popleft())
 
 
+@reference("collectives", "01")
 def pipelined_all_gather_steps(chunks: list[torch.Tensor], rank: int, world: int, group,
                                counter: ByteCounter | None, slices: int, first_step: int = 0) -> None:
     """``ring.all_gather_steps`` as (N-1)·k slice transfers, each slice passed on soon after it lands."""

@@ -29,6 +29,7 @@ from torch.distributed import ReduceOp
 
 from dtcourse.collectives.messages import ByteCounter, check_op, exchange, finish
 from dtcourse.collectives.pipelined import IN_FLIGHT, pipelined_all_gather_steps, pipelined_reduce_scatter_steps
+from dtcourse.runtime.refuse import reference
 
 __all__ = ["chunk_sizes", "ring_reduce_scatter", "ring_all_gather", "ring_all_reduce"]
 
@@ -43,6 +44,7 @@ def chunk_sizes(numel: int, world_size: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(world_size)]
 
 
+@reference("collectives", "01")
 def reduce_scatter_steps(chunks: list[torch.Tensor], rank: int, world: int, group,
                          counter: ByteCounter | None) -> None:
     """After N-1 steps, ``chunks[rank]`` holds the sum of every rank's chunk ``rank``."""
@@ -57,6 +59,7 @@ def reduce_scatter_steps(chunks: list[torch.Tensor], rank: int, world: int, grou
         chunks[recv_c].add_(incoming)
 
 
+@reference("collectives", "01")
 def all_gather_steps(chunks: list[torch.Tensor], rank: int, world: int, group,
                      counter: ByteCounter | None, first_step: int = 0) -> None:
     """Starting with ``chunks[rank]`` complete, pass chunks around until every rank has all N."""
@@ -69,6 +72,7 @@ def all_gather_steps(chunks: list[torch.Tensor], rank: int, world: int, group,
                  "all-gather", first_step + step)
 
 
+@reference("collectives", "01")
 def ring_reduce_scatter(output: torch.Tensor, input_tensor: torch.Tensor, op=ReduceOp.SUM, group=None,
                         counter: ByteCounter | None = None, slices: int = 1) -> None:
     """Like ``dist.reduce_scatter_tensor``: ``input_tensor`` has N·k elements; rank r gets reduced chunk r."""
@@ -91,6 +95,7 @@ def ring_reduce_scatter(output: torch.Tensor, input_tensor: torch.Tensor, op=Red
     output.copy_(chunks[rank].view_as(output))
 
 
+@reference("collectives", "01")
 def ring_all_gather(output: torch.Tensor, input_tensor: torch.Tensor, group=None,
                     counter: ByteCounter | None = None) -> None:
     """Like ``dist.all_gather_into_tensor``: ``output`` (N·k elements) gets every rank's ``input_tensor``."""
@@ -106,6 +111,7 @@ def ring_all_gather(output: torch.Tensor, input_tensor: torch.Tensor, group=None
     all_gather_steps(chunks, rank, world, group, counter)
 
 
+@reference("collectives", "01")
 def ring_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None,
                     counter: ByteCounter | None = None, slices: int = 1) -> None:
     """Ring reduce-scatter then ring all-gather, in place, for any length (uneven chunks)."""
