@@ -58,6 +58,14 @@ def _student_calls(fn, *args):
     return fn(*args)
 
 
+def _refused(fn, *args) -> str:
+    try:
+        fn(*args)
+        return "ran"
+    except ReferenceRefused:
+        return "refused"
+
+
 def test_a_reference_refuses_student_callers_inside_a_check_only():
     assert _answer(2) == 4 and _Server(1).n == 1                     # outside a check: as usual
     with refusing({"demo": "99"}):
@@ -66,6 +74,13 @@ def test_a_reference_refuses_student_callers_inside_a_check_only():
         with pytest.raises(ReferenceRefused, match="_Server"):
             _StudentServer(3)                      # a subclass refuses, even made by the check itself
         assert _answer.__wrapped__(2) == 4                            # the check's own use: a library frame
+        import threading
+
+        caught = []
+        worker = threading.Thread(target=lambda: caught.append(_refused(_answer, 2)))
+        worker.start()
+        worker.join()
+        assert caught == ["refused"]                                 # a thread the student starts too
     with refusing({"other": "98"}):
         assert _student_calls(_answer, 2) == 4                       # another exercise's check
     assert _student_calls(_answer, 5) == 10

@@ -21,6 +21,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 import torch.distributed as dist
 
+from dtcourse.runtime.refuse import is_library_file
 from dtcourse.runtime.launch import LaunchError, LaunchTimeout, RankError, launch
 from dtcourse.runtime.processes import frames
 
@@ -40,9 +41,7 @@ def _tail(remote_traceback: str, lines: int = 3) -> str:
 
 def _student_error(exc: BaseException) -> str:
     """'ValueError: msg' plus the innermost frames of the student's code."""
-    frames = [f for f in traceback.extract_tb(exc.__traceback__)[1:]
-              if "torch" + os.sep not in f.filename
-              and os.path.dirname(f.filename) != os.path.dirname(__file__)]
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)[1:] if not is_library_file(f.filename)]
     where = "".join(f"\n    in {f.name}, line {f.lineno}: {(f.line or '').strip()}" for f in frames[-3:])
     stub = ("\n(the exercise stub is still there: replace the `raise NotImplementedError` line "
             "with your code)") if isinstance(exc, NotImplementedError) else ""

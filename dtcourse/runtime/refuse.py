@@ -13,8 +13,8 @@ libraries) raises ``ReferenceRefused``. The check's own calls to the same functi
 compute the expected answer, have no student frame on their stack and run as usual. Classes
 refuse in ``__init__``, so a subclass of the reference refuses too.
 
-Which topics are refused is a ``ContextVar`` holding a frozen mapping, set and reset by
-``refusing``: no module-level state a check has to clean up.
+Which topics are refused is one process-wide slot, pushed and popped by ``refusing`` (a thread
+the student's code starts is refused too); a check never has to clean it up.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import os
 import sys
 import sysconfig
 from contextlib import contextmanager
-from contextvars import ContextVar
 from types import FrameType, MappingProxyType
 from typing import Callable, Iterator, Mapping, TypeVar
 
@@ -32,8 +31,10 @@ __all__ = ["ReferenceRefused", "reference", "refusing", "refuse_if_student", "st
 
 T = TypeVar("T")
 
-_REFUSED: ContextVar[tuple[Mapping[str, str], FrameType | None]] = ContextVar(
-    "dtcourse_refused", default=(MappingProxyType({}), None))   # (topic -> exercise, the check's frame)
+# (topic -> exercise, the frame of the check that entered refusing()). One slot for the whole
+# process, not a ContextVar: a thread the student's code starts must be refused too, and a new
+# thread would not inherit a ContextVar. Checks run in forked ranks, one check per process.
+_REFUSED: list[tuple[Mapping[str, str], FrameType | None]] = [(MappingProxyType({}), None)]
 _DTCOURSE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _LIBRARIES = tuple(sorted({os.path.abspath(p) + os.sep for key in ("stdlib", "platstdlib", "purelib", "platlib")
                            if (p := sysconfig.get_paths().get(key))} | {_DTCOURSE}))
@@ -71,7 +72,7 @@ def refuse_if_student(topic: str, what: str, why: str = "", instance: object = N
     ``instance``: a reference class's new object; a student's subclass of it is refused even when the
     check itself makes the object (the subclass is the student's code).
     """
-    topics, boundary = _REFUSED.get()
+    topics, boundary = _REFUSED[-1]
     exercise = topics.get(topic)
     if exercise is None:
         return
@@ -116,9 +117,9 @@ def refusing(topics: Mapping[str, str], boundary: FrameType | None = None) -> It
     Only frames below the one that entered the block count: a check's ranks are forked from a
     notebook, so the cell that called the check is further up every rank's stack.
     """
-    old, _ = _REFUSED.get()
-    token = _REFUSED.set((MappingProxyType({**old, **topics}), boundary or sys._getframe(2)))
+    old, _ = _REFUSED[-1]
+    _REFUSED.append((MappingProxyType({**old, **topics}), boundary or sys._getframe(2)))
     try:
         yield
     finally:
-        _REFUSED.reset(token)
+        _REFUSED.pop()
