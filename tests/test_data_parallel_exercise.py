@@ -1,15 +1,23 @@
 """Exercise 02 (gradient buckets): the released notebook, its checks and the autograder.
 
 A wrong bucket rule and a missing division by N each fail only their own checks, with the
-bucket or the parameter, rank and factor named; a deadlock fails after the timeout. Full marks
-for the solution and zero for the untouched exercise are checked with every exercise's, in
-``test_grading.py``. Each grading run starts one Jupyter kernel (a few seconds). Run just these with
-``pytest -q test_data_parallel_exercise.py``, and everything about this exercise with
+bucket or the parameter, rank and factor named; a deadlock fails after the timeout. The checks of
+the technique (one all-reduce per bucket, started during backward, every handle waited on) carry
+7 of the 12 points, so a wrapper that averages right without buckets or overlap scores under half;
+a wrapper that forgets to wait on a handle fails the same checks on every run; the course's own
+wrapper, and PyTorch's, are refused. Full marks for the solution and zero for the untouched
+exercise are checked with every exercise's, in ``test_grading.py``. Each grading run starts one
+Jupyter kernel (a few seconds). Run just these with ``pytest -q test_data_parallel_exercise.py``,
+and everything about this exercise with
 ``pytest -q tests -k "02_data_parallel_buckets or test_data_parallel_exercise"``.
+
+The wrappers handed to the checks here are defined in this file (or run from the notebook's
+cells, compiled under this file's name): to the checks, they are a student's code.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 import time
 
@@ -18,11 +26,13 @@ import torch
 import torch.distributed as dist
 
 from dtcourse import checks
-from dtcourse.data_parallel import assign_buckets
-from exercise_harness import EXPECTED, assert_released, by_id, failed, grade_answers, solution_code
+from dtcourse.data_parallel import DistributedDataParallel, assign_buckets
+from exercise_harness import (EXPECTED, assert_released, by_id, failed, grade_answers, nbgrader_cells, solution_code,
+                              source_path)
 
 NAME = "02_data_parallel_buckets"
 POINTS = EXPECTED[NAME].points
+TECHNIQUE = ["check_overlap", "check_overlap_hidden"]      # 3 + 4 of the 12 points
 
 # The bucket closes only once it holds *more* than the cap: wrong at a cap that is reached exactly.
 WRONG_ASSIGN_BUCKETS = '''
@@ -59,13 +69,88 @@ class OverlappedDDP(DDPBase):
             for i, (lo, hi) in bucket.span.items():
                 self.params[i].grad.copy_(bucket.flat[lo:hi].view_as(self.params[i]))
 '''
+# Right gradients, the lesson's first step: one blocking all-reduce per parameter, after backward.
+NO_BUCKETS_NO_OVERLAP = '''
+class OverlappedDDP(DDPBase):
+    def grad_ready(self, i):
+        if not self.finish_queued:
+            self.finish_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+
+    def finish(self):
+        for p in self.params:
+            dist.all_reduce(p.grad)
+            p.grad /= self.world_size
+'''
+# The course's answers, imported instead of written.
+IMPORTS_THE_COURSE = {
+    "assign_buckets": "from dtcourse.data_parallel import assign_buckets",
+    "overlapped_ddp": "from dtcourse.data_parallel import DistributedDataParallel as OverlappedDDP",
+}
+# Correct, and written differently from the solution: buckets by a running total over the reversed
+# indices, and a wrapper that concatenates a full bucket's gradients, waits through futures, and
+# sets each .grad to a fresh tensor.
+DIFFERENT_BUT_RIGHT = {
+    "assign_buckets": '''
+def assign_buckets(params, cap_bytes):
+    order = list(range(len(params)))[::-1]
+    buckets = []
+    for i in order:
+        kind = (params[i].dtype, params[i].device)
+        open_bucket = buckets and not buckets[-1]["closed"] and buckets[-1]["kind"] == kind
+        if not open_bucket:
+            if buckets:
+                buckets[-1]["closed"] = True
+            buckets.append({"ids": [], "bytes": 0, "kind": kind, "closed": False})
+        bucket = buckets[-1]
+        bucket["ids"].append(i)
+        bucket["bytes"] += params[i].nbytes
+        bucket["closed"] = bucket["bytes"] >= cap_bytes
+    return [bucket["ids"] for bucket in buckets]
+''',
+    "overlapped_ddp": '''
+class OverlappedDDP(DDPBase):
+    def grad_ready(self, i):
+        if not self.finish_queued:
+            self.finish_queued, self.in_flight = True, []
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+        bucket = self.bucket_of[i]
+        bucket.pending -= 1
+        if not bucket.pending:
+            flat = torch.cat([self.params[j].grad.flatten() for j in bucket.ids])
+            future = dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True).get_future()
+            self.in_flight.append((bucket, flat, future))
+
+    def finish(self):
+        for bucket, flat, future in self.in_flight:
+            future.wait()
+            mean = flat / self.world_size
+            for j in bucket.ids:
+                lo, hi = bucket.span[j]
+                self.params[j].grad = mean[lo:hi].view_as(self.params[j]).clone()
+''',
+}
+
+
+def _notebook() -> dict:
+    """The solution's classes, compiled under this file's name: the checks take them for a student's."""
+    cells, answers = nbgrader_cells(source_path(NAME)), solution_code(NAME)
+    code = "\n\n".join([cells["setup"], answers["assign_buckets"], cells["scaffold"], answers["overlapped_ddp"]])
+    namespace: dict = {"__name__": __name__}
+    exec(compile(code, __file__, "exec"), namespace)
+    return namespace
+
+
+NOTEBOOK = _notebook()
+DDPBase, OverlappedDDP = NOTEBOOK["DDPBase"], NOTEBOOK["OverlappedDDP"]
 
 
 # --------------------------------------------------------------------------- #
 # The released notebook
 # --------------------------------------------------------------------------- #
 def test_released_notebook_hides_the_answer_and_gives_the_scaffolding():
-    assert_released(NAME, absent=["queue_callback(self.finish)", 'cases=("dtypes"'], stubs={"overlapped_ddp": 2},
+    assert_released(NAME, absent=["queue_callback(self.finish)", 'cases=("dtypes"', 'cases=("tiny", "frozen"'],
+                    stubs={"overlapped_ddp": 2},
                     given={"overlapped_ddp": ["def grad_ready(self, i: int)", "def finish(self)"],
                            "scaffold": ["register_post_accumulate_grad_hook"]})
 
@@ -73,22 +158,17 @@ def test_released_notebook_hides_the_answer_and_gives_the_scaffolding():
 # --------------------------------------------------------------------------- #
 # Grading whole notebooks
 # --------------------------------------------------------------------------- #
-def test_wrong_bucket_rule_fails_only_the_bucket_checks(tmp_path):
-    report = grade_answers(NAME, tmp_path, dict(solution_code(NAME), assign_buckets=WRONG_ASSIGN_BUCKETS))
+def test_wrong_bucket_rule_and_a_sum_fail_only_their_own_checks(tmp_path):
+    report = grade_answers(NAME, tmp_path, dict(solution_code(NAME), assign_buckets=WRONG_ASSIGN_BUCKETS,
+                                                overlapped_ddp=SUM_NOT_MEAN))
     result = by_id(report)
-    assert report.score == POINTS - 4, str(report)
-    assert failed(report) == ["check_buckets", "check_buckets_hidden"], str(report)
+    assert failed(report) == ["check_buckets", "check_buckets_hidden", "check_parity", "check_parity_hidden"], \
+        str(report)
+    assert report.score == POINTS - 2 - 3, str(report)
     message = result["check_buckets"].message
     assert "case 'mlp'" in message and "cap_bytes=240" in message, message
     assert "bucket 0 should be [5, 4] but yours is [5, 4, 3]" in message, message
     assert "reach cap_bytes (>=)" in message, message
-
-
-def test_sum_instead_of_mean_names_parameter_rank_and_factor(tmp_path):
-    report = grade_answers(NAME, tmp_path, dict(solution_code(NAME), overlapped_ddp=SUM_NOT_MEAN))
-    result = by_id(report)
-    assert report.score == POINTS - 6, str(report)
-    assert failed(report) == ["check_parity", "check_parity_hidden"], str(report)
     visible, hidden = result["check_parity"].message, result["check_parity_hidden"].message
     assert "OverlappedDDP is wrong at world size 2 in case 'mlp'" in visible, visible
     for rank in (0, 1):
@@ -98,20 +178,104 @@ def test_sum_instead_of_mean_names_parameter_rank_and_factor(tmp_path):
     assert "world size 3" in hidden and "It is N = 3 times the mean" in hidden, hidden
 
 
+def test_right_gradients_without_buckets_or_overlap_score_under_half(tmp_path):
+    report = grade_answers(NAME, tmp_path, dict(solution_code(NAME), overlapped_ddp=NO_BUCKETS_NO_OVERLAP))
+    assert failed(report) == TECHNIQUE, str(report)
+    assert report.score == 5 < POINTS / 2, str(report)
+    visible, hidden = by_id(report)["check_overlap"].message, by_id(report)["check_overlap_hidden"].message
+    assert "expected one all-reduce per bucket, 3 of them (480 B, 1232 B, 832 B), but backward() made 6" \
+        in visible, visible
+    assert "That is one per parameter" in visible, visible
+    assert "world size 3 in case 'tiny'" in hidden and "ran with async_op=False" in hidden, hidden
+
+
+def test_importing_the_course_answers_scores_nothing(tmp_path):
+    report = grade_answers(NAME, tmp_path, dict(solution_code(NAME), **IMPORTS_THE_COURSE))
+    assert report.score == 0 and len(failed(report)) == EXPECTED[NAME].checks, str(report)
+    result = by_id(report)
+    for grade_id in ("check_buckets", "check_buckets_hidden"):
+        assert re.search(r"check_bucket_assignment was given dtcourse\.data_parallel\.buckets\.assign_buckets, "
+                         r"(which is )?the course's own answer to exercise 02", result[grade_id].message), str(report)
+    for grade_id in ("check_parity", "check_parity_hidden", "check_overlap", "check_overlap_hidden"):
+        assert re.search(r"was given (dtcourse\.data_parallel\.ddp\.)?DistributedDataParallel, which is (a finished "
+                         r"DDP wrapper \()?the course's own answer to exercise 02", result[grade_id].message), \
+            result[grade_id].message
+
+
+def test_a_right_answer_written_differently_gets_full_marks(tmp_path):
+    report = grade_answers(NAME, tmp_path, dict(solution_code(NAME), **DIFFERENT_BUT_RIGHT))
+    assert report.score == POINTS and not failed(report), str(report)
+
+
 # --------------------------------------------------------------------------- #
 # The checks on their own (no kernel)
 # --------------------------------------------------------------------------- #
-def test_reference_passes_every_bucket_case():
-    checks.check_bucket_assignment(assign_buckets, cases=("mlp", "dtypes", "tiny", "gpt", "empty"))
+def _different_assign_buckets():
+    namespace: dict = {}
+    exec(compile(DIFFERENT_BUT_RIGHT["assign_buckets"], __file__, "exec"), namespace)
+    return namespace["assign_buckets"]
+
+
+def test_a_different_bucket_rule_that_is_right_passes_every_case():
+    checks.check_bucket_assignment(_different_assign_buckets(), cases=("mlp", "dtypes", "tiny", "gpt", "empty"))
 
 
 def test_bucket_check_recognises_forward_order():
+    mine = _different_assign_buckets()
+
     def forward_order(params, cap_bytes):
-        return [list(reversed(bucket)) for bucket in reversed(assign_buckets(params[::-1], cap_bytes))]
+        return [list(reversed(bucket)) for bucket in reversed(mine(params[::-1], cap_bytes))]
 
     with pytest.raises(AssertionError, match=r"(?s)bucket 0 should be \[5\] but yours is \[0\].*"
                                              r"hint: walk the parameters from the last"):
         checks.check_bucket_assignment(forward_order, cases=("mlp",))
+
+
+def test_the_course_answers_are_refused():
+    for passed in (assign_buckets, functools.partial(assign_buckets)):
+        with pytest.raises(AssertionError, match=r"check_bucket_assignment was given dtcourse\.data_parallel\.buckets"
+                                                 r"\.assign_buckets, (which is )?the course's own answer to exercise 02"):
+            checks.check_bucket_assignment(passed)
+
+    def calls_the_course(params, cap_bytes):
+        return assign_buckets(params, cap_bytes)
+
+    with pytest.raises(AssertionError, match=r"it raised ReferenceRefused: dtcourse\.data_parallel\.buckets\."
+                                             r"assign_buckets is (part of )?the course's own answer to exercise 02"):
+        checks.check_bucket_assignment(calls_the_course)
+
+    class Inherits(DistributedDataParallel):
+        pass
+
+    for cls in (DistributedDataParallel, Inherits, torch.nn.parallel.DistributedDataParallel):
+        for check in (checks.check_ddp_parity, checks.check_overlap):
+            with pytest.raises(AssertionError, match=r"was given \S*(DistributedDataParallel|Inherits), which is"):
+                check(cls)
+
+
+class _BuildsTorchDDP(torch.nn.Module):
+    def __init__(self, module, bucket_cap_mb):
+        super().__init__()
+        self.inner = torch.nn.parallel.DistributedDataParallel(module, bucket_cap_mb=bucket_cap_mb)
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+class _BuildsCourseDDP(_BuildsTorchDDP):
+    def __init__(self, module, bucket_cap_mb):
+        torch.nn.Module.__init__(self)
+        self.inner = DistributedDataParallel(module, bucket_cap_mb=bucket_cap_mb)
+
+
+@pytest.mark.parametrize("cls, refused", [
+    (_BuildsTorchDDP, r"torch\.nn\.parallel\.DistributedDataParallel is switched off while exercise 02's checks run"),
+    (_BuildsCourseDDP, r"dtcourse\.data_parallel\.ddp\.DistributedDataParallel is (part of )?the course's own "
+                       r"answer"),
+])
+def test_a_wrapper_that_builds_a_finished_ddp_is_refused(cls, refused):
+    with pytest.raises(AssertionError, match=r"building the wrapper: rank \d raised ReferenceRefused: " + refused):
+        checks.check_ddp_parity(cls)
 
 
 class _Deadlocks(torch.nn.Module):
@@ -137,30 +301,130 @@ def test_a_deadlock_fails_after_the_timeout():
     assert time.monotonic() - start < 20
 
 
-def _overlap_variant(sync: bool, late: bool):
-    """A correct wrapper except that its all-reduces block (sync) or start after backward (late)."""
-    from dtcourse.data_parallel import DistributedDataParallel
+class _WaitsOnTheLastHandleOnly(OverlappedDDP):
+    """The race of issue 10: right whenever the earlier buckets' all-reduces happened to finish in time."""
 
-    class Variant(DistributedDataParallel):
-        def __init__(self, module, bucket_cap_mb):
-            super().__init__(module, bucket_cap_mb, overlap=not late)
-
-        def _all_reduce_sum(self, tensor, async_op):
-            return dist.all_reduce(tensor, async_op=async_op and not sync)
-
-    return Variant
+    def finish(self):
+        self.buckets[-1].work.wait()
+        for bucket in self.buckets:
+            bucket.flat /= self.world_size
+            for i, (lo, hi) in bucket.span.items():
+                self.params[i].grad.copy_(bucket.flat[lo:hi].view_as(self.params[i]))
 
 
-@pytest.mark.parametrize("sync, late, complaint", [
-    (False, False, None),
-    (True, False, r"all-reduce\(s\) \[0, 1, 2\] ran with async_op=False"),
-    (False, True, r"no communication overlapped with backward: your all-reduces of 60, 154, 104 elements "
-                  r"started after 6, 6, 6 of the 6 gradients"),
+def test_a_forgotten_wait_fails_the_same_way_every_time():
+    def failures() -> tuple[str, ...]:
+        found = []
+        for check in (lambda: checks.check_ddp_parity(_WaitsOnTheLastHandleOnly),
+                      lambda: checks.check_overlap(_WaitsOnTheLastHandleOnly),
+                      lambda: checks.check_overlap(_WaitsOnTheLastHandleOnly, world_sizes=(3,), cases=("tiny",))):
+            with pytest.raises(AssertionError) as info:
+                check()
+            found.append(str(info.value))
+        return tuple(found)
+
+    runs = [failures() for _ in range(3)]
+    assert runs[0] == runs[1] == runs[2], runs
+    parity, overlap, tiny = runs[0]
+    assert "The handle(s) of all-reduce(s) [0, 1] of this backward (in the order they started) were never " \
+           "waited on" in parity, parity
+    assert "the handle(s) of all-reduce(s) [0, 1] (in the order they started) were never waited on before " \
+           "backward() returned" in overlap, overlap
+    assert "all-reduce(s) [0, 1, 2, 3, 4] (in the order they started) were never waited on" in tiny, tiny
+
+
+class _Blocking(OverlappedDDP):
+    """Each bucket's all-reduce starts in the hook that completes it, and blocks it."""
+
+    def grad_ready(self, i):
+        if not self.finish_queued:
+            self.finish_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+        bucket = self.bucket_of[i]
+        lo, hi = bucket.span[i]
+        bucket.flat[lo:hi].copy_(self.params[i].grad.reshape(-1))
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            dist.all_reduce(bucket.flat)
+
+    def finish(self):
+        for bucket in self.buckets:
+            bucket.flat /= self.world_size
+            for i, (lo, hi) in bucket.span.items():
+                self.params[i].grad.copy_(bucket.flat[lo:hi].view_as(self.params[i]))
+
+
+class _InFinish(OverlappedDDP):
+    """Bucketed, but every all-reduce starts after backward."""
+
+    def grad_ready(self, i):
+        if not self.finish_queued:
+            self.finish_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+
+    def finish(self):
+        for bucket in self.buckets:
+            for i, (lo, hi) in bucket.span.items():
+                bucket.flat[lo:hi].copy_(self.params[i].grad.reshape(-1))
+            bucket.work = dist.all_reduce(bucket.flat, async_op=True)
+        super().finish()
+
+
+class _AllInTheLastHook(OverlappedDDP):
+    """Bucketed and asynchronous, but nothing starts before the last gradient."""
+
+    def grad_ready(self, i):
+        if not self.finish_queued:
+            self.finish_queued, self.seen = True, 0
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+        bucket = self.bucket_of[i]
+        lo, hi = bucket.span[i]
+        bucket.flat[lo:hi].copy_(self.params[i].grad.reshape(-1))
+        self.seen += 1
+        if self.seen == len(self.params):
+            for bucket in self.buckets:
+                bucket.work = dist.all_reduce(bucket.flat, async_op=True)
+
+
+class _WaitsEarly(OverlappedDDP):
+    """Waits on a bucket's handle in the hook that started it."""
+
+    def grad_ready(self, i):
+        super().grad_ready(i)
+        if self.bucket_of[i].work is not None:
+            self.bucket_of[i].work.wait()
+
+
+class _OnePerParameter(DDPBase):
+    """Overlapped, but one all-reduce per gradient: no buckets."""
+
+    def grad_ready(self, i):
+        if not self.finish_queued:
+            self.finish_queued, self.works = True, []
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+        self.works.append(dist.all_reduce(self.params[i].grad, async_op=True))
+
+    def finish(self):
+        for work in self.works:
+            work.wait()
+        for p in self.params:
+            p.grad /= self.world_size
+
+
+@pytest.mark.parametrize("cls, complaint", [
+    (OverlappedDDP, None),
+    (_Blocking, r"all-reduce\(s\) \[0, 1, 2\] ran with async_op=False"),
+    (_InFinish, r"all-reduce\(s\) \[0, 1, 2\] started only after backward had produced every gradient .*: your "
+                r"all-reduces of 480 B, 1232 B, 832 B started after 6, 6, 6 of the 6 gradients"),
+    (_AllInTheLastHook, r"all-reduce\(s\) \[0, 1\] started only once every gradient was ready"),
+    (_WaitsEarly, r"all-reduce 0's handle was waited on after only 2 of the 6 gradients"),
+    (_OnePerParameter, r"expected one all-reduce per bucket, 3 of them \(480 B, 1232 B, 832 B\), but "
+                       r"backward\(\) made 6: your all-reduces of 40 B, 440 B, 88 B, 1144 B, 104 B, 728 B started "
+                       r"after 1, 2, 3, 4, 5, 6 of the 6 gradients were ready\. That is one per parameter"),
 ])
-def test_overlap_check(sync, late, complaint):
-    variant = _overlap_variant(sync, late)
+def test_overlap_check(cls, complaint):
     if complaint is None:
-        checks.check_overlap(variant, world_size=2)
+        checks.check_overlap(cls, world_sizes=(2, 3), cases=("mlp", "tiny", "frozen", "one_bucket", "gpt"))
     else:
         with pytest.raises(AssertionError, match=complaint):
-            checks.check_overlap(variant, world_size=2)
+            checks.check_overlap(cls)

@@ -36,12 +36,18 @@ LONG_MODULES = {
                                        "100 lines, read beside the lesson",
     "dtcourse/checks/data_parallel.py": "exercise 02's three graded checks (buckets, parity, overlap) share one "
                                         "set of cases and helpers; splitting them would split the exercise",
+    "dtcourse/checks/checkpointing.py": "exercise 05's three graded checks share one set of layers and helpers; "
+                                        "the memory check measures and explains four things (held after "
+                                        "forward, recomputed once, peak in backward, left after backward)",
     "dtcourse/lab/data_parallel.py": "lesson 02's companion: shards, DDP timelines, pricing the step (fitted link "
                                      "with its fallback, forward-pass collectives, FLOP rate, the GPU case, the "
                                      "bucket figure) and five problems; each part under 120 lines",
     "dtcourse/lab/collectives.py": "lesson 01 draws and measures four things (the six collectives before and "
                                    "after, busbw of three collectives beside the fitted alpha-beta-gamma model, "
                                    "the ring step-through widget, the four problems); each part under 150 lines",
+    "dtcourse/memory.py": "lesson 00's measurement and its formulas (storage bytes, saved tensors by kind, a "
+                          "step's held bytes op by op, the optimizer-state table): one concept, each part "
+                          "under 80 lines; the @reference marks for exercise 00 took it past 350",
     "dtcourse/lab/checkpointing.py": "lesson 05's measurements (segment sweep, recomputation policies, fused "
                                      "attention's saved tensors, save_on_cpu), the three figures drawn from "
                                      "them, and its four problems: one lesson's companion, read beside it",

@@ -3,30 +3,39 @@
 ``check_segment_bounds`` holds a student's ``segment_bounds`` to the course's rule;
 ``check_checkpoint_gradients`` runs a student's ``CheckpointedSequential`` next to the plain
 ``nn.Sequential`` of the same layers and wants the same outputs and gradients, bit for bit;
-``check_checkpoint_memory`` measures what the container holds after its forward and which
-layers backward runs again. Each runs the student's code in a child process and raises one
-AssertionError that names the case, the segment count and what differs::
+``check_checkpoint_memory`` checks the technique itself: what the container holds after its
+forward, which layers backward runs again, the most it holds at once during backward, and that
+the recomputed tensors are gone when backward returns. Each runs the student's code in a child
+process and raises one AssertionError that names the case, the segment count and what differs::
 
     check_checkpoint_gradients(CheckpointedSequential, cases=("mlp",))
 
 Why exact equality: a recomputation runs the same ops on the same inputs with the same RNG
 state, so on a CPU it reproduces every value to the bit, and the backward that reads them is
 the plain run's own graph. Any difference at all is a bug, not rounding.
+
+While the student's code runs (``guard.watching``), ``dtcourse.checkpointing``'s answers and
+``torch.utils.checkpoint`` refuse to run; passing one of them to a check is refused too.
 """
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
-from dtcourse.checks.common import _as_student, _check_names, _launch_check
+from dtcourse.checks.common import _as_student, _check_names, _launch_check, _refuse_library_code, _student_error
+from dtcourse.checks.guard import watching
 
 __all__ = ["check_segment_bounds", "check_checkpoint_gradients", "check_checkpoint_memory",
-           "SEGMENT_CASES", "GRADIENT_CASES"]
+           "SEGMENT_CASES", "GRADIENT_CASES", "MEMORY_SLACK"]
+
+TOPICS = {"checkpointing": "05"}     # refused while these checks run (torch.utils.checkpoint too)
 
 # (n_layers, segments) pairs, and the segment counts that must raise ValueError, per case.
 SEGMENT_CASES = {
@@ -60,6 +69,10 @@ _DROPOUT_HINT = ("The forward matched but the gradients did not, so backward saw
                  "torch.random.fork_rng() so that the global RNG carries on undisturbed.")
 
 
+_ADVICE = ("Write it yourself (the container on nn.Sequential, as the exercise's cell does) and pass that; "
+           "torch.utils.checkpoint is switched off too.")
+
+
 def check_segment_bounds(fn: Callable, cases: Sequence[str] = ("small",),
                          timeout: float | None = None) -> None:
     """``fn(n_layers, segments)`` must return the (start, end) pairs of ``checkpointing.segment_bounds``.
@@ -69,11 +82,17 @@ def check_segment_bounds(fn: Callable, cases: Sequence[str] = ("small",),
     reported with the arguments, the expected and actual lists, and a hint for common rules.
     """
     _check_names("check_segment_bounds", fn, cases, SEGMENT_CASES)
+    _refuse_library_code("check_segment_bounds", fn, TOPICS["checkpointing"], _ADVICE)
     _launch_check(getattr(fn, "__name__", "your function"), 1, _segments_rank, (fn, tuple(cases)), timeout,
                   where="", hint="Does a loop in it never end?")
 
 
 def _segments_rank(fn: Callable, cases: tuple[str, ...], progress: str) -> list:
+    with watching(TOPICS):
+        return _segments_cases(fn, cases, progress)
+
+
+def _segments_cases(fn: Callable, cases: tuple[str, ...], progress: str) -> list:
     from dtcourse.checkpointing import segment_bounds as reference
     for name in cases:
         description, pairs, bad = SEGMENT_CASES[name]
@@ -146,6 +165,7 @@ def check_checkpoint_gradients(cls: Callable, cases: Sequence[str] = ("mlp",),
     equal to the bit, and the global RNG must end where the plain run left it.
     """
     _check_names("check_checkpoint_gradients", cls, cases, GRADIENT_CASES)
+    _refuse_library_code("check_checkpoint_gradients", cls, TOPICS["checkpointing"], _ADVICE)
     _launch_check(getattr(cls, "__name__", "your class"), 1, _gradients_rank, (cls, tuple(cases)), timeout,
                   where="", hint="Does a recomputation call itself, or a loop never end?")
 
@@ -168,22 +188,81 @@ def _layers(kind: str) -> tuple[list[nn.Module], torch.Tensor]:
     return layers, torch.randn(5, 8, dtype=torch.float64, generator=g)
 
 
-def _step(model: nn.Module, x: torch.Tensor, seed: int) -> torch.Tensor:
+def _forward(model: nn.Module, x: torch.Tensor, seed: int) -> torch.Tensor:
     torch.manual_seed(seed)
-    y = model(x)
+    return model(x)
+
+
+def _backward(y: torch.Tensor) -> None:
     (y.square().sum() + y.sum()).backward()
-    return y.detach()
+
+
+class _Replays:
+    """Pre-hooks on the stack's layers that note how each layer was run: in the forward, and in backward.
+
+    A call is (layer index, gradients on?, does its input require grad?). Backward runs a layer
+    only to recompute it, so the two lists show whether the recomputation ran the way the
+    forward did, which decides which tensors its ops save.
+    """
+
+    def __init__(self, layers: Sequence[nn.Module]):
+        self.phase: str | None = None          # "forward" or "backward" while the student's code runs
+        self.calls: dict[str, list[tuple[int, bool, bool]]] = {"forward": [], "backward": []}
+        self._handles = [layer.register_forward_pre_hook(self._noter(i)) for i, layer in enumerate(layers)]
+
+    def _noter(self, i: int) -> Callable:
+        def note(module: nn.Module, args: tuple) -> None:
+            if self.phase is not None:
+                x = args[0] if args else None
+                self.calls[self.phase].append(
+                    (i, torch.is_grad_enabled(), isinstance(x, torch.Tensor) and x.requires_grad))
+        return note
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+    def hint(self) -> str:
+        """'' if every recomputed layer ran as in the forward, else what differed and what to change."""
+        off = sorted({i for i, grad_on, _ in self.calls["backward"] if not grad_on})
+        if off:
+            return (f"\n    hint: during backward your recomputation ran layer(s) {off} with gradients off "
+                    "(backward runs under no_grad), so the replayed ops saved no tensors at all and the "
+                    "positions your forward handed out have nothing behind them: recompute inside "
+                    "torch.enable_grad()")
+        forward: dict[int, bool] = {}
+        for i, _, needs_grad in self.calls["forward"]:
+            forward.setdefault(i, needs_grad)
+        for i, _, needs_grad in self.calls["backward"]:
+            if i in forward and forward[i] != needs_grad:
+                return (f"\n    hint: during backward your recomputation ran layer {i} on an input with "
+                        f"requires_grad={needs_grad}, where the forward's input had requires_grad={forward[i]}. "
+                        "Which tensors an op saves depends on which of its inputs need a gradient (a Linear "
+                        "saves its weight only to compute its input's gradient), so the recomputation saved "
+                        f"{'fewer' if forward[i] else 'more'} tensors than the forward, at other positions: "
+                        "recompute from x.detach().requires_grad_(x.requires_grad)")
+        return ""
+
+
+def _as_student_hinted(progress: str, call: Callable, hint: Callable[[], str]) -> object:
+    """``_as_student``, with ``hint()`` added to the student's error when the check has found its cause."""
+    try:
+        return call()
+    except Exception as exc:
+        Path(progress, f"{dist.get_rank()}.error").write_text(_student_error(exc) + hint())
+        raise
 
 
 def _gradients_rank(cls: Callable, cases: tuple[str, ...], progress: str) -> list:
-    for name in cases:
-        case = GRADIENT_CASES[name]
-        for k in case.segments:
-            where = f"case {name!r} ({case.description}), segments={k}"
-            Path(progress, "0").write_text(where)
-            problem = _gradients_case(cls, case, k, progress)
-            if problem:
-                return [where, problem]
+    with watching(TOPICS):
+        for name in cases:
+            case = GRADIENT_CASES[name]
+            for k in case.segments:
+                where = f"case {name!r} ({case.description}), segments={k}"
+                Path(progress, "0").write_text(where)
+                problem = _gradients_case(cls, case, k, progress)
+                if problem:
+                    return [where, problem]
     Path(progress, "0").write_text("finished")
     return []
 
@@ -192,14 +271,26 @@ def _gradients_case(cls: Callable, case: _GradientCase, k: int, progress: str) -
     layers, x = _layers(case.layers)
     plain = nn.Sequential(*layers)
     runs = {}
+    replays = _Replays(layers)
     for label in ("plain", "yours"):
         model = plain if label == "plain" else _as_student(progress, lambda: cls(*layers, segments=k))
         plain.zero_grad(set_to_none=True)
         xin = x.clone().requires_grad_(case.input_grad)
-        outputs = [_as_student(progress, lambda: _step(model, xin, seed=step)) if label == "yours"
-                   else _step(model, xin, seed=step) for step in range(case.steps)]
+        outputs = []
+        for step in range(case.steps):
+            if label == "plain":
+                y = _forward(model, xin, seed=step)
+                _backward(y)
+            else:
+                replays.phase = "forward"
+                y = _as_student(progress, lambda: _forward(model, xin, seed=step))
+                replays.phase = "backward"
+                _as_student_hinted(progress, lambda: _backward(y), replays.hint)
+                replays.phase = None
+            outputs.append(y.detach() if isinstance(y, torch.Tensor) else y)
         grads = {n: (None if p.grad is None else p.grad.clone()) for n, p in plain.named_parameters()}
         runs[label] = (outputs, grads, xin.grad, torch.get_rng_state())
+    replays.remove()
     (want_out, want_grads, want_xgrad, want_rng), (out, grads, xgrad, rng) = runs["plain"], runs["yours"]
     for step, (a, b) in enumerate(zip(want_out, out), start=1):
         if not isinstance(b, torch.Tensor) or b.shape != a.shape or not torch.equal(a, b):
@@ -211,17 +302,19 @@ def _gradients_case(cls: Callable, case: _GradientCase, k: int, progress: str) -
         if got is None:
             return (f"parameter {pname!r} has no .grad after backward(): the recomputation must run with "
                     "gradients on (backward runs under no_grad: use torch.enable_grad()), from an input "
-                    "with the original's requires_grad")
+                    "with the original's requires_grad" + replays.hint())
         if not torch.equal(want, got):
             message = (f"the .grad of parameter {pname!r} {tuple(want.shape)} differs from the plain run's "
                        f"({_difference(want, got)})")
-            if case.layers != "tanh":
+            if replays.hint():
+                message += replays.hint()
+            elif case.layers != "tanh":
                 message += ". " + _DROPOUT_HINT
             if case.steps > 1:
                 message += " Each call of checkpoint starts afresh: keep nothing from one step to the next."
             return message
     if case.input_grad and (xgrad is None or not torch.equal(want_xgrad, xgrad)):
-        return f"the input's .grad differs from the plain run's ({_difference(want_xgrad, xgrad)})"
+        return f"the input's .grad differs from the plain run's ({_difference(want_xgrad, xgrad)})" + replays.hint()
     if not torch.equal(want_rng, rng):
         return ("the gradients are right, but the global RNG did not end where the plain run left it: "
                 "replay the RNG state inside torch.random.fork_rng(), which puts the state back afterwards")
@@ -236,59 +329,177 @@ def _difference(want: torch.Tensor, got: object) -> str:
     return f"by up to {(got - want).abs().max().item():.3g}"
 
 
-def check_checkpoint_memory(cls: Callable, segments: int = 3, timeout: float | None = None) -> None:
-    """With ``cls(*layers, segments=...)`` the stack must hold only what a checkpointed stack holds.
+# --------------------------------------------------------------------------- #
+# Memory: what the container holds, recomputes, and lets go of
+# --------------------------------------------------------------------------- #
+# Twelve layers of width 64 on a batch of 16, float32: one activation (a "unit") is 4 KiB.
+_MEMORY_LAYERS, _MEMORY_WIDTH, _MEMORY_BATCH = 12, 64, 16
+# How far above the course's checkpoint a student's peak during backward may go, in units. A correct
+# container written differently peaks within one unit of it (measured: handing the recomputed
+# tensors out without forgetting them, +1; a torch.autograd.Function that recomputes and runs
+# backward itself, -1); holding a second segment's recomputed tensors adds 4 at segments=3.
+MEMORY_SLACK = 2
 
-    Twelve layers of width 64 (eleven of Linear + ReLU, then a Linear) on a batch of 16: after the forward, the bytes of
-    tensors still alive (``memory.HeldBytes``) must be those of the
-    checkpointed segments' inputs plus the last segment's layer outputs, and backward must
-    run each layer of a checkpointed segment exactly once more, and the last segment's none.
+
+@dataclass(frozen=True)
+class _Held:
+    """Bytes alive (``memory.HeldBytes``: storages allocated since the stack was built) in one step."""
+
+    after_forward: int
+    peak_in_backward: int          # the most alive at once, after any op of backward
+    after_backward: int
+    freed_by_gc: int               # of after_backward, what the cycle collector then freed
+    kept_with_graph: int           # tensors made in the step, alive after backward, with a grad_fn (not the output)
+    recomputed: tuple[int, ...]    # per layer, the times backward ran it
+
+
+def check_checkpoint_memory(cls: Callable, segments: int | Sequence[int] = 3, timeout: float | None = None) -> None:
+    """With ``cls(*layers, segments=k)`` a step must hold and recompute what a checkpointed stack does.
+
+    Twelve layers of width 64 (eleven of Linear + ReLU, then a Linear) on a batch of 16, for each
+    segment count in ``segments``; bytes are those of the tensors alive (``memory.HeldBytes``):
+
+    * after the forward, at most the checkpointed segments' inputs plus the last segment's
+      layer outputs;
+    * backward runs each layer of a checkpointed segment exactly once more, the last segment's never;
+    * during backward, at most ``MEMORY_SLACK`` activations more at once than the course's own
+      checkpoint (``dtcourse.checkpointing``) holds on the same stack: one segment's recomputed
+      tensors at a time;
+    * when backward returns, no more than the course's checkpoint still holds: every
+      recomputed tensor let go.
+
+    Python's cycle collector is off while a step is measured, so what is freed, and when, is
+    decided by references alone: every run gives the same bytes.
     """
+    counts = (segments,) if isinstance(segments, int) else tuple(segments)
+    if not counts or any(not isinstance(k, int) or not 1 <= k <= _MEMORY_LAYERS for k in counts):
+        raise ValueError(f"check_checkpoint_memory: segments must be between 1 and {_MEMORY_LAYERS}, "
+                         f"got {segments!r}")
     if not callable(cls):
         raise TypeError(f"check_checkpoint_memory: pass your class itself, not {type(cls).__name__}")
-    _launch_check(getattr(cls, "__name__", "your class"), 1, _memory_rank, (cls, segments), timeout,
+    _refuse_library_code("check_checkpoint_memory", cls, TOPICS["checkpointing"], _ADVICE)
+    _launch_check(getattr(cls, "__name__", "your class"), 1, _memory_rank, (cls, counts), timeout,
                   where="", hint="Does a recomputation call itself, or a loop never end?")
 
 
-def _memory_rank(cls: Callable, k: int, progress: str) -> list:
-    from dtcourse.lab.checkpointing import mlp_layers, predicted_segment_units
+def _memory_rank(cls: Callable, counts: tuple[int, ...], progress: str) -> list:
+    from dtcourse.checkpointing import CheckpointedSequential as Reference
+    n, width, batch = _MEMORY_LAYERS, _MEMORY_WIDTH, _MEMORY_BATCH
+
+    def reference(layers: list[nn.Module], k: int) -> nn.Module:
+        return Reference(*layers, segments=k)
+
+    # The first ops under HeldBytes import torch._dynamo, whose import leaves garbage holding tensors:
+    # a throwaway step first, so that neither measurement pays for it.
+    _measure(reference, counts[0], progress)
+    for k in counts:
+        where = f"{n} layers of width {width} (11 of Linear + ReLU, then a Linear), batch {batch}, segments={k}"
+        Path(progress, "0").write_text(where)
+        want = _measure(reference, k, progress)
+        with watching(TOPICS):
+            got = _measure(lambda layers, k: cls(*layers, segments=k), k, progress, student=True)
+        problem = _memory_problem(got, want, k)
+        if problem:
+            return [where, problem]
+    Path(progress, "0").write_text("finished")
+    return []
+
+
+def _measure(build: Callable[[list[nn.Module], int], nn.Module], k: int, progress: str,
+             student: bool = False) -> _Held:
+    """One forward and backward of a fresh ``lab.checkpointing.mlp_layers`` stack built by ``build``."""
+    from dtcourse.lab.checkpointing import mlp_layers
     from dtcourse.memory import HeldBytes
-    from dtcourse.checkpointing import segment_bounds
-    n, width, batch = 12, 64, 16
-    where = f"12 layers of width {width} (11 of Linear + ReLU, then a Linear), batch {batch}, segments={k}"
-    Path(progress, "0").write_text(where)
-    layers, x = mlp_layers(n, width), torch.randn(batch, width)
-    for p in layers.parameters():
+    layers = list(mlp_layers(_MEMORY_LAYERS, _MEMORY_WIDTH))
+    x = torch.randn(_MEMORY_BATCH, _MEMORY_WIDTH, generator=torch.Generator().manual_seed(0))
+    for p in nn.ModuleList(layers).parameters():
         p.grad = torch.zeros_like(p)          # allocated now, so that backward's gradients are not counted
-    runs = [0] * n
+    runs = [0] * len(layers)
     for i, layer in enumerate(layers):
         layer.register_forward_pre_hook(lambda *_, i=i: runs.__setitem__(i, runs[i] + 1))
-    model = _as_student(progress, lambda: cls(*layers, segments=k))
-    with HeldBytes() as held:
-        y = _as_student(progress, lambda: model(x))
-        after = held.now
-        _as_student(progress, lambda: y.sum().backward())
+    replays = _Replays(layers)
+
+    def call(fn: Callable, hint: Callable[[], str] = lambda: "") -> object:
+        return _as_student_hinted(progress, fn, hint) if student else fn()
+
+    model = call(lambda: build(layers, k))
+    # The cycle collector stays off while the step runs: what is freed, and when, is then decided by
+    # references alone, the same on every run. Objects made from here on stay in its youngest
+    # generation, so looking at that generation alone finds what the step left behind, cheaply.
+    gc.collect(0)
+    gc.disable()
+    try:
+        with HeldBytes() as held:
+            replays.phase = "forward"
+            y = call(lambda: model(x))
+            after, forward_ops, before = held.now, held.mark(), list(runs)
+            replays.phase = "backward"
+            call(lambda: y.sum().backward(), replays.hint)
+            replays.phase = None
+            end = held.now
+            peak = max(held.trace[forward_ops:], default=end)
+            # type(), not isinstance: some objects' __class__ is a property that warns when read
+            young = gc.get_objects(generation=0)
+            kept = sum(1 for obj in young if issubclass(type(obj), torch.Tensor) and obj is not y
+                       and obj.grad_fn is not None)
+            del young
+            gc.collect(0)
+            freed = end - held.now
+    finally:
+        gc.enable()
+    return _Held(after, peak, end, freed, kept, tuple(r - b for r, b in zip(runs, before)))
+
+
+def _memory_problem(got: _Held, want: _Held, k: int) -> str | None:
+    from dtcourse.checkpointing import segment_bounds
+    from dtcourse.lab.checkpointing import predicted_segment_units
+    n, batch, width = _MEMORY_LAYERS, _MEMORY_BATCH, _MEMORY_WIDTH
     unit = batch * width * 4
-    want = predicted_segment_units(n, k) * unit
+
+    def units(nbytes: int) -> str:
+        return f"{nbytes:,} bytes ({nbytes / unit:.1f} activations of ({batch}, {width}))"
+
+    held = predicted_segment_units(n, k) * unit
     start, _ = segment_bounds(n, k)[-1]
-    recomputed = [r - 1 for r in runs]
-    expected = [1] * start + [0] * (n - start)
-    Path(progress, "0").write_text("finished")
-    if after > want + unit // 2:          # half a unit of slack for small bookkeeping tensors
-        message = (f"when the forward returned, the stack held {after:,} bytes ({after / unit:.1f} "
-                   f"activations of ({batch}, {width})); a checkpointed stack holds {want:,} "
-                   f"({want // unit}: the inputs of the {k - 1} checkpointed segments and the {n - start} "
-                   "layer outputs of the last)")
-        if after >= n * unit:
+    if got.after_forward > held + unit // 2:          # half a unit of slack for small bookkeeping tensors
+        message = (f"when the forward returned, the stack held {got.after_forward:,} bytes "
+                   f"({got.after_forward / unit:.1f} activations of ({batch}, {width})); a checkpointed stack "
+                   f"holds {held:,} ({held // unit}: the inputs of the {k - 1} checkpointed segments and the "
+                   f"{n - start} layer outputs of the last)")
+        if got.after_forward >= n * unit:
             message += (". That is everything the plain stack holds: either no segment was checkpointed, or "
                         "the pack hook kept the tensors it was given. It must return a position, not the "
                         "tensor, and keep no reference to it; backward gets the tensors back by recomputing")
-        return [where, message]
-    if recomputed != expected:
-        message = (f"during backward the layers ran {recomputed} more times; expected {expected}: each "
-                   f"layer of a checkpointed segment once, the last segment's layers (from {start} on) never")
-        if any(r > 1 for r in recomputed):
+        return message
+    expected = (1,) * start + (0,) * (n - start)
+    if got.recomputed != expected:
+        message = (f"during backward the layers ran {list(got.recomputed)} more times; expected {list(expected)}: "
+                   f"each layer of a checkpointed segment once, the last segment's layers (from {start} on) never")
+        if any(r > 1 for r in got.recomputed):
             message += (". Recompute a segment once, on its first unpack, and hand out the kept tensors "
                         "to the later unpacks")
-        return [where, message]
-    return []
+        return message
+    problems = []
+    if got.peak_in_backward > want.peak_in_backward + MEMORY_SLACK * unit:
+        problems.append(
+            f"during backward up to {units(got.peak_in_backward)} were alive at once; the course's checkpoint "
+            f"peaks at {units(want.peak_in_backward)} on the same stack (what the forward kept, one segment's "
+            f"recomputed activations and the gradients in flight), and {MEMORY_SLACK} activations more is the "
+            "most allowed. Hold one segment's recomputed tensors at a time, without copies (backward needs only "
+            "their values: t.detach() shares the storage), and let each go once backward has used it")
+    if got.after_backward > want.after_backward + unit // 2:
+        left = got.after_backward - want.after_backward
+        message = (f"when backward() returned, {units(got.after_backward)} were still alive, where the course's "
+                   f"checkpoint leaves {units(want.after_backward)}, the output: {left:,} bytes that backward "
+                   "allocated, recomputed activations or copies of them, were never let go")
+        if got.kept_with_graph > want.kept_with_graph:
+            message += (f". {got.kept_with_graph - want.kept_with_graph} of the tensors made in this step and still "
+                        "alive carry a grad_fn: a recomputed tensor kept with its grad_fn holds the recomputation's "
+                        "graph, and with it your saved-tensor hooks and all they hold (when that includes the list "
+                        "the tensor is in, a cycle through autograd that Python's collector cannot free). Keep "
+                        "t.detach() in the recomputation's pack")
+        elif got.freed_by_gc >= left - unit // 2:
+            message += (". Python's cycle collector (gc.collect()) did free them afterwards, so only a reference "
+                        "cycle held them: memory that stays taken until the collector happens to run")
+        problems.append(message)
+    return ";\n    and ".join(problems) or None

@@ -27,19 +27,16 @@ to a check. A raised error is reported as the student's, a deadlock as a failure
 
 from __future__ import annotations
 
-import inspect
 import warnings
 from collections import Counter
 from functools import partial
-from types import FunctionType
 from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
-from dtcourse.checks.common import _as_student, _launch_check, _stop_at_first_failure
+from dtcourse.checks.common import _as_student, _launch_check, _refuse_library_code, _stop_at_first_failure
 from dtcourse.checks.guard import Watch, watching
-from dtcourse.runtime.refuse import ReferenceRefused, is_library_file
 
 __all__ = ["check_ring_exchange", "check_reduce_scatter", "check_all_gather", "check_all_reduce", "FLOATS"]
 
@@ -101,7 +98,8 @@ def _run(kind: str, fn: Callable, world_sizes: Sequence[int], sizes: Sequence[Si
     if not callable(fn):
         raise TypeError(f"check_{kind}: pass your function itself, e.g. check_{kind}(my_fn), "
                         f"not {type(fn).__name__}")
-    _refuse_library_code(kind, fn)
+    _refuse_library_code(f"check_{kind}", fn, TOPICS["collectives"], "Write the function yourself (lesson 01 shows how "
+                         "the ring works), from point-to-point messages, and pass that.")
     shapes = [(s,) if isinstance(s, int) else tuple(s) for s in sizes]
     if not shapes or any(not shape or min(shape) < 1 for shape in shapes):
         raise ValueError(f"check_{kind}: sizes must be positive ints or shapes, got {sizes!r}")
@@ -111,27 +109,6 @@ def _run(kind: str, fn: Callable, world_sizes: Sequence[int], sizes: Sequence[Si
     for world_size in world_sizes:
         _launch_check(getattr(fn, "__name__", "your function"), world_size, _rank_main,
                       (kind, fn, cases), timeout, where=f" at world size {world_size}", hint=_DEADLOCK_HINT)
-
-
-def _refuse_library_code(kind: str, fn: Callable) -> None:
-    """Refuse the course's answer or library code handed to the check itself (the references refuse only
-    calls from a student's frame), seen through partials, bound methods and ``functools.wraps``."""
-    inner = fn
-    while isinstance(inner, partial) or inspect.ismethod(inner):
-        inner = inner.func if isinstance(inner, partial) else inner.__func__
-    inner = inspect.unwrap(inner, stop=lambda f: hasattr(f, "__dtcourse_reference__"))
-    if not isinstance(inner, FunctionType) and callable(inner) and not inspect.isbuiltin(inner):
-        inner = getattr(type(inner), "__call__", inner)       # an object called like a function
-    what = f"{getattr(inner, '__module__', '?')}.{getattr(inner, '__qualname__', repr(inner))}"
-    if hasattr(inner, "__dtcourse_reference__"):
-        raise ReferenceRefused(
-            f"check_{kind} was given {what}, the course's own answer to exercise {TOPICS['collectives']}; it "
-            "refuses to run while that exercise's checks run. Write the function yourself (lesson 01 shows how "
-            "the ring works) and pass that.")
-    if inspect.isbuiltin(inner) or (isinstance(inner, FunctionType) and is_library_file(inner.__code__.co_filename)):
-        raise AssertionError(
-            f"check_{kind} was given {what}, which is library code, not yours: the exercise asks you to build "
-            "it from point-to-point messages. Pass the function you wrote.")
 
 
 # --------------------------------------------------------------------------- #

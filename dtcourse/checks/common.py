@@ -10,18 +10,21 @@ first case any rank got wrong, and ``_as_student`` keeps the student's error.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 import sys
 import tempfile
 import traceback
 import warnings
 from pathlib import Path
+from types import FunctionType
 from typing import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 
-from dtcourse.runtime.refuse import is_library_file
+from dtcourse.runtime.refuse import ReferenceRefused, is_library_file
 from dtcourse.runtime.launch import LaunchError, LaunchTimeout, RankError, launch
 from dtcourse.runtime.processes import frames
 
@@ -46,6 +49,38 @@ def _student_error(exc: BaseException) -> str:
     stub = ("\n(the exercise stub is still there: replace the `raise NotImplementedError` line "
             "with your code)") if isinstance(exc, NotImplementedError) else ""
     return f"{type(exc).__name__}: {exc}{where}{stub}"
+
+
+def _refuse_library_code(check: str, obj: Callable, exercise: str, advice: str,
+                         also: tuple[type, ...] = ()) -> None:
+    """The course's answer (or a library's) handed to a check is not the student's: refuse it before it runs.
+
+    The references refuse calls that come from a student's frame; one handed to the check itself
+    would be called from the check's own frames, so it is caught here: a function marked as a
+    reference (seen through partials, bound methods and ``functools.wraps``), library code, a class
+    built on a reference class, or one built on any class in ``also`` (PyTorch's DDP, say).
+    ``advice`` says what to pass instead.
+    """
+    if isinstance(obj, type):
+        theirs = [k for k in obj.__mro__ if "__dtcourse_reference__" in vars(k) or (also and issubclass(k, also))]
+        if theirs:
+            which = "is" if theirs[0] is obj else f"is built on {theirs[0].__module__}.{theirs[0].__qualname__},"
+            whose = "the course's own answer" if "__dtcourse_reference__" in vars(theirs[0]) else "PyTorch's answer"
+            raise ReferenceRefused(f"{check} was given {obj.__qualname__}, which {which} {whose} to exercise "
+                                   f"{exercise}; it refuses to run while that exercise's checks run. {advice}")
+        return
+    inner = obj
+    while isinstance(inner, functools.partial) or inspect.ismethod(inner):
+        inner = inner.func if isinstance(inner, functools.partial) else inner.__func__
+    inner = inspect.unwrap(inner, stop=lambda f: hasattr(f, "__dtcourse_reference__"))
+    if not isinstance(inner, FunctionType) and callable(inner) and not inspect.isbuiltin(inner):
+        inner = getattr(type(inner), "__call__", inner)       # an object called like a function
+    what = f"{getattr(inner, '__module__', '?')}.{getattr(inner, '__qualname__', repr(inner))}"
+    if hasattr(inner, "__dtcourse_reference__"):
+        raise ReferenceRefused(f"{check} was given {what}, the course's own answer to exercise {exercise}; it "
+                               f"refuses to run while that exercise's checks run. {advice}")
+    if inspect.isbuiltin(inner) or (isinstance(inner, FunctionType) and is_library_file(inner.__code__.co_filename)):
+        raise AssertionError(f"{check} was given {what}, which is library code, not yours. {advice}")
 
 
 def _check_names(check: str, fn: Callable, names: Sequence[str], known: dict) -> None:

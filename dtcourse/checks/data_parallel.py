@@ -3,11 +3,21 @@
 ``check_bucket_assignment`` holds a student's ``assign_buckets`` to
 ``dtcourse.data_parallel.assign_buckets``; ``check_ddp_parity`` trains with a
 student's DDP wrapper on N ranks next to one process on the whole batch;
-``check_overlap`` watches the all-reduces of one backward. Like every check,
-they raise one AssertionError that says what differs, and a deadlock becomes a
-failure after the timeout::
+``check_overlap`` checks the technique itself on one backward: one all-reduce per
+bucket, of the bucket's bytes, each started asynchronously while backward goes on,
+and every handle waited on before ``backward()`` returns. Like every check, they
+raise one AssertionError that says what differs, and a deadlock becomes a failure
+after the timeout::
 
     check_ddp_parity(OverlappedDDP, world_sizes=(2,), cases=("mlp",))
+
+While the student's code runs, ``dtcourse.data_parallel``'s answers and torch's
+``DistributedDataParallel`` refuse to run (``guard.watching``), and passing one of them
+to a check is refused too. Every all-reduce the student starts runs on a copy of its
+tensor, and the sum reaches the student's tensor only when its handle's ``wait()`` is
+called: the earliest a correct program may read it. A wrapper that forgets to wait
+on a handle then gets the same wrong gradients on every run, instead of right ones
+whenever the all-reduce happened to finish in time.
 """
 
 from __future__ import annotations
@@ -21,10 +31,39 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import ProcessGroup
 
-from dtcourse.checks.common import _as_student, _check_names, _launch_check, _stop_at_first_failure
+from dtcourse.checks.common import (_as_student, _check_names, _launch_check, _refuse_library_code,
+                                     _stop_at_first_failure)
+from dtcourse.checks.guard import watching
+from dtcourse.runtime.refuse import refuse_if_student
 
 __all__ = ["check_bucket_assignment", "check_ddp_parity", "check_overlap", "DDP_CASES", "DDP_TOL"]
+
+TOPICS = {"data_parallel": "02"}     # the references refused while these checks run
+
+
+_ADVICE = ("Subclass DDPBase, as the exercise's cell does, write grad_ready and finish (and assign_buckets) "
+           "yourself, and pass that.")
+
+
+@contextmanager
+def _no_torch_ddp() -> Iterator[None]:
+    """``torch.nn.parallel.DistributedDataParallel`` refuses to be built by the student's code, as dtcourse's does."""
+    cls = torch.nn.parallel.DistributedDataParallel
+    init = cls.__dict__["__init__"]
+
+    def refused(self, *args, **kwargs):
+        refuse_if_student("data_parallel", "torch.nn.parallel.DistributedDataParallel", why=(
+            f"torch.nn.parallel.DistributedDataParallel is switched off while exercise {TOPICS['data_parallel']}'s "
+            "checks run: the exercise asks you to write the bucketing and the overlap yourself"))
+        init(self, *args, **kwargs)
+
+    cls.__init__ = refused
+    try:
+        yield
+    finally:
+        cls.__init__ = init
 
 
 # =========================================================================== #
@@ -32,7 +71,8 @@ __all__ = ["check_bucket_assignment", "check_ddp_parity", "check_overlap", "DDP_
 # =========================================================================== #
 # A student's bucketed DDP wrapper is held to dtcourse.data_parallel: the same
 # buckets as its assign_buckets, the gradients and parameters of one process
-# training on the whole batch, and all-reduces that start while backward runs.
+# training on the whole batch, and one all-reduce per bucket, of its bytes,
+# started while backward runs and waited on before backward() returns.
 
 DDP_BATCH = 12   # global batch: every world size checked (1, 2, 3, 4, 6) divides it
 DDP_LR = 0.1     # plain SGD by hand, so a wrong gradient moves the parameters visibly
@@ -88,6 +128,8 @@ def check_bucket_assignment(fn: Callable, cases: Sequence[str] = ("mlp",),
     """
     known = _bucket_cases()
     _check_names("check_bucket_assignment", fn, cases, known)
+    _refuse_library_code("check_bucket_assignment", fn, TOPICS["data_parallel"], _ADVICE,
+                         also=(torch.nn.parallel.DistributedDataParallel,))
     _launch_check(getattr(fn, "__name__", "your function"), 1, _buckets_rank, (fn, tuple(cases)), timeout,
                   where="", hint="Does a loop in it never end?")
 
@@ -100,7 +142,8 @@ def _buckets_rank(fn: Callable, cases: tuple[str, ...], progress: str) -> list:
         params = [torch.zeros(shape, dtype=dtype) for shape, dtype in specs]
         for cap in caps:
             Path(progress, "0").write_text(f"case {name!r} ({description}), cap_bytes={cap}")
-            got = _as_student(progress, lambda: fn(list(params), cap))
+            with watching(TOPICS):
+                got = _as_student(progress, lambda: fn(list(params), cap))
             problem = _bucket_problem(got, reference(params, cap), params, cap)
             if problem:
                 return [f"case {name!r} ({description}), cap_bytes={cap}", problem]
@@ -204,9 +247,11 @@ def check_ddp_parity(cls: Callable, world_sizes: Sequence[int] = (2,), cases: Se
     (frozen ones stay ``None``); after the last step the parameters must match a single
     process's, both within ``DDP_TOL``. ``cases`` are keys of ``DDP_CASES``. A failure names
     the world size, case, rank, step, parameter and largest error, with a hint when the
-    gradient is N times the mean or the rank's own.
+    gradient is N times the mean or the rank's own, or when a handle was never waited on.
     """
     _check_names("check_ddp_parity", cls, cases, DDP_CASES)
+    _refuse_library_code("check_ddp_parity", cls, TOPICS["data_parallel"], _ADVICE,
+                         also=(torch.nn.parallel.DistributedDataParallel,))
     bad = [n for n in world_sizes if not isinstance(n, int) or n < 1 or DDP_BATCH % n]
     if bad or steps < 1:
         raise ValueError(f"check_ddp_parity: world sizes must divide the batch of {DDP_BATCH} "
@@ -217,18 +262,119 @@ def check_ddp_parity(cls: Callable, world_sizes: Sequence[int] = (2,), cases: Se
                       where=f" at world size {world_size}", hint=_DDP_DEADLOCK_HINT)
 
 
-def check_overlap(cls: Callable, world_size: int = 2, case: str = "mlp",
+def check_overlap(cls: Callable, world_sizes: Sequence[int] = (2,), cases: Sequence[str] = ("mlp",),
                   timeout: float | None = None) -> None:
-    """During one ``backward()`` through ``cls(module, bucket_cap_mb=...)``, communication must overlap.
+    """One ``backward()`` through ``cls(module, bucket_cap_mb=...)`` must communicate as a bucketed, overlapped DDP.
 
-    The check records every ``dist.all_reduce`` call and every gradient as it is accumulated.
-    It wants one call per bucket (``len(wrapper.buckets)``, or the reference rule's count),
-    together covering every trainable element once, each with ``async_op=True``; the first
-    must start before the last gradient is ready, and no handle may be waited on before then.
+    The check sees every collective the wrapper makes (``guard.watching``), every handle's
+    ``wait()``, and every gradient as autograd produces it. It wants:
+
+    * one all-reduce per bucket (the wrapper's ``buckets``, or the reference rule's), each of one
+      bucket's bytes, together every trainable gradient once;
+    * each started with ``async_op=True`` from a gradient hook, before backward has finished, and
+      with two buckets or more, all but the last before the last gradient is ready;
+    * no handle waited on before the last gradient, and every handle waited on before
+      ``backward()`` returns.
     """
-    _check_names("check_overlap", cls, (case,), DDP_CASES)
-    _launch_check(getattr(cls, "__name__", "your class"), world_size, _overlap_rank, (cls, case), timeout,
-                  where=f" at world size {world_size}", hint=_DDP_DEADLOCK_HINT)
+    _check_names("check_overlap", cls, cases, DDP_CASES)
+    _refuse_library_code("check_overlap", cls, TOPICS["data_parallel"], _ADVICE,
+                         also=(torch.nn.parallel.DistributedDataParallel,))
+    bad = [n for n in world_sizes if not isinstance(n, int) or n < 2 or DDP_BATCH % n]
+    if bad or not world_sizes:
+        raise ValueError(f"check_overlap: world sizes must be at least 2 and divide the batch of {DDP_BATCH}, "
+                         f"got {list(world_sizes)}")
+    for world_size in world_sizes:
+        _launch_check(getattr(cls, "__name__", "your class"), world_size, _overlap_rank, (cls, tuple(cases)),
+                      timeout, where=f" at world size {world_size}", hint=_DDP_DEADLOCK_HINT)
+
+
+# --------------------------------------------------------------------------- #
+# What the student's all-reduces do, seen from the process group
+# --------------------------------------------------------------------------- #
+class _Handle:
+    """The handle of an all-reduce that the check runs on a copy: the sum reaches the student's tensor at ``wait()``.
+
+    Until a handle is waited on, the all-reduce's result is not defined: it may already be in the
+    tensor, or not yet, depending on the network. Delivering it exactly at ``wait()`` makes a
+    forgotten wait fail every time. Anything else is the real handle's.
+    """
+
+    def __init__(self, work: object, tensors: list[torch.Tensor], copies: list[torch.Tensor], events: list,
+                 index: int):
+        self._work, self._tensors, self._copies = work, tensors, copies
+        self._events, self._index = events, index
+
+    def wait(self, *args, **kwargs) -> object:
+        done = self._work.wait(*args, **kwargs)
+        if self._copies is not None:
+            with torch.no_grad():
+                for tensor, summed in zip(self._tensors, self._copies):
+                    tensor.copy_(summed)
+            self._copies = None
+        self._events.append(("wait", self._index))
+        return done
+
+    def is_completed(self) -> bool:
+        if not self._work.is_completed():
+            return False
+        self.wait()          # polling until done is a way of waiting: the sum is there from now on
+        return True
+
+    def get_future(self) -> "_Future":
+        return _Future(self)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._work, name)
+
+
+class _Future:
+    """``handle.get_future()``: its ``wait()`` and ``value()`` are the handle's ``wait()``, then the tensors."""
+
+    def __init__(self, handle: _Handle):
+        self._handle = handle
+
+    def wait(self) -> list[torch.Tensor]:
+        self._handle.wait()
+        return self._handle._tensors
+
+    value = wait
+
+    def done(self) -> bool:
+        return self._handle.is_completed()
+
+
+@contextmanager
+def _deferred_all_reduces(events: list) -> Iterator[None]:
+    """Inside ``watching``: every all-reduce runs on copies, noted in ``events``; its handle is a ``_Handle``.
+
+    Each all-reduce appends ``("all_reduce", index, nbytes, async_op)``, each ``wait()``
+    ``("wait", index)``. A synchronous ``dist.all_reduce`` waits on the handle itself, so its sum is
+    in the tensor when it returns, as usual.
+    """
+    raw = ProcessGroup.__dict__["allreduce"]      # watching's recorder, which calls the real one
+
+    def allreduce(self, tensors, *args, **kwargs):
+        single = isinstance(tensors, torch.Tensor)
+        originals = [tensors] if single else list(tensors)
+        copies = [t.detach().clone() for t in originals]
+        opts = args[0] if args else kwargs.get("opts")
+        index = sum(1 for e in events if e[0] == "all_reduce")
+        events.append(("all_reduce", index, sum(t.nbytes for t in originals), bool(getattr(opts, "asyncOp", True))))
+        work = raw(self, copies[0] if single else copies, *args, **kwargs)
+        return _Handle(work, originals, copies, events, index)
+
+    ProcessGroup.allreduce = allreduce
+    try:
+        yield
+    finally:
+        ProcessGroup.allreduce = raw
+
+
+def _unwaited(events: list, since: int = 0) -> list[int]:
+    """Of the all-reduces started in ``events[since:]`` (numbered from 0 there), those never waited on."""
+    started = [e[1] for e in events[since:] if e[0] == "all_reduce"]
+    waited = {e[1] for e in events[since:] if e[0] == "wait"}
+    return [position for position, k in enumerate(started) if k not in waited]
 
 
 def _ddp_model(case: _DDPCase) -> torch.nn.Module:
@@ -272,23 +418,25 @@ def _parity_case(cls: Callable, name: str, steps: int, progress: str) -> str | N
     case, note = DDP_CASES[name], Path(progress, str(dist.get_rank()))
     model = _ddp_model(case)
     reference, scratch = copy.deepcopy(model), copy.deepcopy(model)
-    note.write_text(f"case {name!r} ({case.description}), building the wrapper")
-    ddp = _as_student(progress, lambda: cls(model, bucket_cap_mb=case.bucket_cap_mb))
     rows = DDP_BATCH // n
-    problem = None
-    for step in range(1, steps + 1):
-        x, y = _ddp_batch(case, seed=step)
-        mine = slice(rank * rows, (rank + 1) * rows)   # this rank's contiguous B/N rows
-        expected = _full_gradients(scratch, model, case, x, y)
-        own = _full_gradients(scratch, model, case, x[mine], y[mine])
-        model.zero_grad(set_to_none=True)
-        note.write_text(f"case {name!r} ({case.description}), step {step}: forward and backward")
-        _as_student(progress, lambda: _ddp_loss(case, ddp(x[mine]), y[mine]).backward())
-        problem = problem or _gradient_problem(model, expected, own, n, step)
-        reference.zero_grad(set_to_none=True)
-        _ddp_loss(case, reference(x), y).backward()     # one process, the whole batch
-        _sgd_step(model)
-        _sgd_step(reference)
+    problem, events = None, []
+    with watching(TOPICS), _no_torch_ddp(), _deferred_all_reduces(events):
+        note.write_text(f"case {name!r} ({case.description}), building the wrapper")
+        ddp = _as_student(progress, lambda: cls(model, bucket_cap_mb=case.bucket_cap_mb))
+        for step in range(1, steps + 1):
+            x, y = _ddp_batch(case, seed=step)
+            mine = slice(rank * rows, (rank + 1) * rows)   # this rank's contiguous B/N rows
+            expected = _full_gradients(scratch, model, case, x, y)
+            own = _full_gradients(scratch, model, case, x[mine], y[mine])
+            model.zero_grad(set_to_none=True)
+            note.write_text(f"case {name!r} ({case.description}), step {step}: forward and backward")
+            since = len(events)
+            _as_student(progress, lambda: _ddp_loss(case, ddp(x[mine]), y[mine]).backward())
+            problem = problem or _gradient_problem(model, expected, own, n, step, _unwaited(events, since))
+            reference.zero_grad(set_to_none=True)
+            _ddp_loss(case, reference(x), y).backward()     # one process, the whole batch
+            _sgd_step(model)
+            _sgd_step(reference)
     if problem is None:
         for (pname, p), q in zip(model.named_parameters(), reference.parameters()):
             error = (p.detach() - q.detach()).abs().max().item()
@@ -307,8 +455,12 @@ def _sgd_step(model: torch.nn.Module) -> None:
 
 
 def _gradient_problem(model: torch.nn.Module, expected: dict[str, torch.Tensor], own: dict[str, torch.Tensor],
-                      n: int, step: int) -> str | None:
-    """None if every .grad is the full-batch gradient, else the first parameter that is not."""
+                      n: int, step: int, unwaited: list[int]) -> str | None:
+    """None if every .grad is the full-batch gradient, else the first parameter that is not.
+
+    ``unwaited``: the all-reduces of this backward whose handle was never waited on; their sums
+    never reached the student's tensors (``_Handle``), which the message then says.
+    """
     for name, p in model.named_parameters():
         if name not in expected:
             if p.grad is not None:
@@ -333,99 +485,110 @@ def _gradient_problem(model: torch.nn.Module, expected: dict[str, torch.Tensor],
                         ".grad before backward() returned")
         elif not got.any():
             message += ". It is all zeros"
+        if unwaited:
+            message += (f". The handle(s) of all-reduce(s) {unwaited} of this backward (in the order they started) "
+                        "were never waited on: an all-reduce's sum is in its tensor only once its handle's "
+                        "wait() has returned, so call wait() on every bucket's handle in finish(), before "
+                        "reading the bucket")
         return message
     return None
 
 
-class _WatchedWork:
-    """An all-reduce's handle that notes when ``wait()`` is called, and otherwise is the real one."""
-
-    def __init__(self, work: object, events: list, index: int):
-        self._work, self._events, self._index = work, events, index
-
-    def wait(self, *args, **kwargs):
-        self._events.append(("wait", self._index))
-        return self._work.wait(*args, **kwargs)
-
-    def __getattr__(self, name: str):
-        return getattr(self._work, name)
+def _overlap_rank(cls: Callable, names: tuple[str, ...], progress: str) -> list:
+    runs = [(f"case {name!r} ({DDP_CASES[name].description})", partial(_overlap_case, cls, name, progress))
+            for name in names]
+    return _stop_at_first_failure(runs, progress)
 
 
-@contextmanager
-def _recording_all_reduce(events: list) -> Iterator[None]:
-    """While the body runs, every ``dist.all_reduce`` call is noted in ``events``."""
-    original = dist.all_reduce
-
-    def all_reduce(tensor, *args, **kwargs):
-        async_op = kwargs.get("async_op", args[2] if len(args) > 2 else False)
-        index = sum(1 for e in events if e[0] == "all_reduce")
-        events.append(("all_reduce", tensor.numel(), bool(async_op)))
-        work = original(tensor, *args, **kwargs)
-        return None if work is None else _WatchedWork(work, events, index)
-
-    dist.all_reduce = all_reduce
-    try:
-        yield
-    finally:
-        dist.all_reduce = original
-
-
-def _overlap_rank(cls: Callable, name: str, progress: str) -> list:
+def _overlap_case(cls: Callable, name: str, progress: str) -> str | None:
     from dtcourse.data_parallel import assign_buckets as reference
     rank, n = dist.get_rank(), dist.get_world_size()
     case, note = DDP_CASES[name], Path(progress, str(rank))
     model = _ddp_model(case)
-    note.write_text(f"case {name!r} ({case.description}), building the wrapper")
-    ddp = _as_student(progress, lambda: cls(model, bucket_cap_mb=case.bucket_cap_mb))
-    events: list[tuple] = []
     trainable = [(pname, p) for pname, p in model.named_parameters() if p.requires_grad]
-    for pname, p in trainable:   # registered after the wrapper's hooks, so they run after them
-        p.register_post_accumulate_grad_hook(lambda _, pname=pname: events.append(("grad", pname)))
     x, y = _ddp_batch(case, seed=1)
-    rows = DDP_BATCH // n
-    note.write_text(f"case {name!r} ({case.description}), forward and backward")
-    with _recording_all_reduce(events):
-        _as_student(progress, lambda: _ddp_loss(case, ddp(x[rank * rows:(rank + 1) * rows]),
-                                                y[rank * rows:(rank + 1) * rows]).backward())
-    note.write_text("finished")
+    mine = slice(rank * (DDP_BATCH // n), (rank + 1) * (DDP_BATCH // n))
+    events: list[tuple] = []
+
+    def backward_done() -> None:
+        events.append(("backward done",))
+
+    def start_of_backward(grad: torch.Tensor) -> None:
+        # The loss's gradient comes first, so this callback is queued before any the wrapper queues
+        # in its hooks, and runs first once the graph is done: it marks the end of backward proper.
+        torch.autograd.Variable._execution_engine.queue_callback(backward_done)
+
+    with watching(TOPICS) as watch, _no_torch_ddp(), _deferred_all_reduces(events):
+        note.write_text(f"case {name!r} ({case.description}), building the wrapper")
+        ddp = _as_student(progress, lambda: cls(model, bucket_cap_mb=case.bucket_cap_mb))
+        for pname, p in trainable:    # a tensor hook runs before the gradient is accumulated and its hooks run
+            p.register_hook(lambda grad, pname=pname: events.append(("grad", pname)))
+        note.write_text(f"case {name!r} ({case.description}), forward and backward")
+        loss = _as_student(progress, lambda: _ddp_loss(case, ddp(x[mine]), y[mine]))
+        if isinstance(loss, torch.Tensor) and loss.requires_grad:
+            loss.register_hook(start_of_backward)
+        first = len(watch.collectives)
+        _as_student(progress, lambda: loss.backward())
+        events.append(("backward returned",))
+        collectives = [what for what, _ in watch.collectives[first:]]
     buckets = getattr(ddp, "buckets", None)
-    count = len(buckets) if isinstance(buckets, (list, tuple)) else \
-        len(reference([p for _, p in trainable], int(case.bucket_cap_mb * 2**20)))
-    problem = _overlap_problem(events, count, sum(p.numel() for _, p in trainable))
-    return [f"case {name!r} ({case.description})", problem] if problem else []
+    if isinstance(buckets, (list, tuple)) and buckets and all(isinstance(getattr(b, "flat", None), torch.Tensor)
+                                                               for b in buckets):
+        sizes = [b.flat.nbytes for b in buckets]          # the wrapper's own buckets (DDPBase's)
+    else:
+        params = [p for _, p in trainable]
+        sizes = [sum(params[i].nbytes for i in ids) for ids in reference(params, int(case.bucket_cap_mb * 2**20))]
+    return _overlap_problem(events, collectives, sizes, [p.nbytes for _, p in trainable])
 
 
-def _overlap_problem(events: list[tuple], buckets: int, numel: int) -> str | None:
+def _overlap_problem(events: list[tuple], collectives: list[str], sizes: list[int],
+                     param_sizes: list[int]) -> str | None:
+    """What in one backward's ``events`` is not a bucketed, overlapped DDP's, or None."""
     grads = [i for i, e in enumerate(events) if e[0] == "grad"]
     reductions = [(i, e) for i, e in enumerate(events) if e[0] == "all_reduce"]
+    done = next((i for i, e in enumerate(events) if e[0] == "backward done"), len(events))
+    returned = next(i for i, e in enumerate(events) if e[0] == "backward returned")
+    others = sorted({what for what in collectives if what != "allreduce"})
     if not reductions:
-        return ("backward() made no dist.all_reduce call: start each bucket's all-reduce in the hook that "
-                "fills the bucket (call it as dist.all_reduce, which the check watches)")
-    ready = [sum(g < i for g in grads) for i, _ in reductions]   # gradients ready at each launch
-    timeline = (f"your all-reduces of {', '.join(str(e[1]) for _, e in reductions)} elements started after "
+        return ("backward() made no all-reduce" + (f" (only {', '.join(others)})" if others else "") + ": start "
+                "each bucket's all-reduce, dist.all_reduce(bucket.flat, async_op=True), in the hook that completes "
+                "the bucket")
+    ready = [sum(g < i for g in grads) for i, _ in reductions]   # gradients ready at each start
+    timeline = (f"your all-reduces of {', '.join(f'{e[2]} B' for _, e in reductions)} started after "
                 f"{', '.join(map(str, ready))} of the {len(grads)} gradients were ready")
-    if len(reductions) != buckets:
-        message = (f"expected one all-reduce per bucket, {buckets}, but backward() made {len(reductions)}: "
-                   f"{timeline}")
-        if len(reductions) == len(grads) != buckets:
-            message += (". That is one per parameter: copy each gradient into its bucket's flat buffer "
-                        "and all-reduce the buffer once it is full")
+    if sorted(e[2] for _, e in reductions) != sorted(sizes):
+        listed = ", ".join(f"{b} B" for b in sizes)
+        message = (f"expected one all-reduce per bucket, {len(sizes)} of them ({listed}), but backward() made "
+                   f"{len(reductions)}: {timeline}")
+        if sorted(e[2] for _, e in reductions) == sorted(param_sizes) and len(param_sizes) != len(sizes):
+            message += (". That is one per parameter: copy each gradient into its bucket's flat buffer and "
+                        "all-reduce the buffer, once, when its last gradient is in")
+        elif sum(e[2] for _, e in reductions) != sum(param_sizes):
+            message += f". Together they carry {sum(e[2] for _, e in reductions)} B, not the {sum(param_sizes)} B "
+            message += "of the trainable gradients: each gradient must travel once"
         return message
-    carried = sum(e[1] for _, e in reductions)
-    if carried != numel:
-        return f"the all-reduces carry {carried} elements, not the {numel} trainable ones: {timeline}"
-    if ready[0] >= len(grads):
-        return (f"no communication overlapped with backward: {timeline}. Start a bucket's all-reduce in the "
-                "hook that completes the bucket, not after backward")
-    blocking = [k for k, (_, e) in enumerate(reductions) if not e[2]]
+    blocking = [e[1] for _, e in reductions if not e[3]]
     if blocking:
         return (f"all-reduce(s) {blocking} ran with async_op=False, so backward stopped until each finished: "
-                "pass async_op=True, keep the handle, and wait on it in the finishing step")
+                "pass async_op=True, keep the handle, and wait on it in finish()")
+    after = [e[1] for i, e in reductions if i > done]
+    if after:
+        return (f"all-reduce(s) {after} started only after backward had produced every gradient (in finish(), "
+                f"or later), so no communication overlapped with it: {timeline}. Start a bucket's all-reduce in "
+                "the hook that completes the bucket")
+    late = [e[1] for (_, e), r in zip(reductions[:-1], ready[:-1]) if r >= len(grads)]
+    if late:
+        return (f"all-reduce(s) {late} started only once every gradient was ready, so they could not overlap "
+                f"with backward: {timeline}. Start each bucket's all-reduce as soon as its last gradient is in")
     early = [(e[1], sum(g < i for g in grads)) for i, e in enumerate(events)
              if e[0] == "wait" and sum(g < i for g in grads) < len(grads)]
     if early:
         k, seen = early[0]
-        return (f"all-reduce {k}'s handle was waited on after only {seen} of the {len(grads)} gradients, "
-                "so backward stalled there: wait on the handles only in the finishing step, after the "
-                "last gradient")
+        return (f"all-reduce {k}'s handle was waited on after only {seen} of the {len(grads)} gradients, so "
+                "backward stalled there: wait on the handles only in finish(), after the last gradient")
+    unwaited = _unwaited(events[:returned])
+    if unwaited:
+        return (f"the handle(s) of all-reduce(s) {unwaited} (in the order they started) were never waited on "
+                "before backward() returned: until wait() returns, the sum need not be in the bucket yet, "
+                "whatever it happens to hold on one run. Call wait() on every bucket's handle in finish()")
     return None
