@@ -142,12 +142,6 @@ def _isolated(topic: str, name: str) -> Callable:
     def check(*args, **kwargs):
         _audit()
         students = [a for a in (*args, *kwargs.values()) if isinstance(a, (FunctionType, type))]
-        for student in students:   # the course's own answer, passed in by name (e.g. MyServer = ParameterServer)
-            if "__dtcourse_reference__" in vars(student):
-                raise AssertionError(
-                    f"{name} was given {student.__module__}.{student.__qualname__}, which is the course's own "
-                    f"answer to exercise {student.__dtcourse_reference__[1]}: the exercise asks you to write it "
-                    "yourself.")
         codes = tuple(code for student in students for code in _student_code(student))
         for earlier, what in _DEADLOCKED:   # this check runs all the code that deadlocked, unchanged
             if earlier and all(any(code is mine for mine in codes) for code in earlier):

@@ -79,8 +79,8 @@ def refuse_if_student(topic: str, what: str, why: str = "", instance: object = N
     subclass = instance is not None and any(_student_class(k) for k in type(instance).__mro__)
     if subclass or student_on_stack(boundary):
         raise ReferenceRefused(why or
-            f"{what} is part of the course's own answer to exercise {exercise}, and it refuses to run while "
-            "that exercise's checks run" + (" (your class is a subclass of it)" if subclass else "")
+            f"{what} is the course's own answer to exercise {exercise}, and it refuses to run while that "
+            "exercise's checks run" + (" (your class is a subclass of it)" if subclass else "")
             + ": the exercise asks you to do this part yourself.")
 
 
