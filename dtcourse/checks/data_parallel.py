@@ -36,7 +36,6 @@ from torch._C._distributed_c10d import ProcessGroup
 from dtcourse.checks.common import (_as_student, _check_names, _launch_check, _refuse_library_code,
                                      _stop_at_first_failure)
 from dtcourse.checks.guard import watching
-from dtcourse.runtime.refuse import refuse_if_student
 
 __all__ = ["check_bucket_assignment", "check_ddp_parity", "check_overlap", "DDP_CASES", "DDP_TOL"]
 
@@ -45,25 +44,6 @@ TOPICS = {"data_parallel": "02"}     # the references refused while these checks
 
 _ADVICE = ("Subclass DDPBase, as the exercise's cell does, write grad_ready and finish (and assign_buckets) "
            "yourself, and pass that.")
-
-
-@contextmanager
-def _no_torch_ddp() -> Iterator[None]:
-    """``torch.nn.parallel.DistributedDataParallel`` refuses to be built by the student's code, as dtcourse's does."""
-    cls = torch.nn.parallel.DistributedDataParallel
-    init = cls.__dict__["__init__"]
-
-    def refused(self, *args, **kwargs):
-        refuse_if_student("data_parallel", "torch.nn.parallel.DistributedDataParallel", why=(
-            f"torch.nn.parallel.DistributedDataParallel is switched off while exercise {TOPICS['data_parallel']}'s "
-            "checks run: the exercise asks you to write the bucketing and the overlap yourself"))
-        init(self, *args, **kwargs)
-
-    cls.__init__ = refused
-    try:
-        yield
-    finally:
-        cls.__init__ = init
 
 
 # =========================================================================== #
@@ -420,7 +400,7 @@ def _parity_case(cls: Callable, name: str, steps: int, progress: str) -> str | N
     reference, scratch = copy.deepcopy(model), copy.deepcopy(model)
     rows = DDP_BATCH // n
     problem, events = None, []
-    with watching(TOPICS), _no_torch_ddp(), _deferred_all_reduces(events):
+    with watching(TOPICS), _deferred_all_reduces(events):
         note.write_text(f"case {name!r} ({case.description}), building the wrapper")
         ddp = _as_student(progress, lambda: cls(model, bucket_cap_mb=case.bucket_cap_mb))
         for step in range(1, steps + 1):
@@ -518,7 +498,7 @@ def _overlap_case(cls: Callable, name: str, progress: str) -> str | None:
         # in its hooks, and runs first once the graph is done: it marks the end of backward proper.
         torch.autograd.Variable._execution_engine.queue_callback(backward_done)
 
-    with watching(TOPICS) as watch, _no_torch_ddp(), _deferred_all_reduces(events):
+    with watching(TOPICS) as watch, _deferred_all_reduces(events):
         note.write_text(f"case {name!r} ({case.description}), building the wrapper")
         ddp = _as_student(progress, lambda: cls(model, bucket_cap_mb=case.bucket_cap_mb))
         for pname, p in trainable:    # a tensor hook runs before the gradient is accumulated and its hooks run

@@ -9,8 +9,9 @@
 Inside the block:
 
 * the course's reference answers for the listed topics refuse calls from the student's code
-  (``dtcourse.runtime.refuse``); topic ``checkpointing`` also switches off
-  ``torch.utils.checkpoint`` (both of its forms);
+  (``dtcourse.runtime.refuse``), and so does PyTorch's own answer where it has one
+  (``_library_answers``): ``torch.utils.checkpoint`` in both forms, ``DistributedDataParallel``,
+  ``torch.amp.GradScaler``;
 * with ``p2p_only``, every collective of the process group raises when the student's code calls
   it. The guard sits on the ``ProcessGroup`` methods that ``torch.distributed``'s functions call,
   so a reference to ``dist.all_reduce`` saved before the check, or one taken through
@@ -28,6 +29,7 @@ from __future__ import annotations
 import sys
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
+from types import FunctionType
 from typing import Callable, Iterator, Mapping
 
 import torch
@@ -94,32 +96,52 @@ def _point_to_point(log: list, original: Callable) -> Callable:
     return call
 
 
+def _library_answers(topic: str, exercise: str) -> tuple[str, list[tuple[object, str]]]:
+    """PyTorch's own answer to an exercise: why it is off, and the (owner, attribute) pairs to guard.
+
+    Each pair is what the answer looks up at every call, so a name the student bound before the
+    check is caught too (``torch.utils.checkpoint.checkpoint`` reaches ``CheckpointFunction.apply``
+    or the non-reentrant generator through its module on each call).
+    """
+    if topic == "checkpointing":
+        import torch.utils.checkpoint as tc
+        return (f"torch.utils.checkpoint is switched off while exercise {exercise}'s checks run: the exercise "
+                "asks you to write the checkpointing yourself",
+                [(tc.CheckpointFunction, "apply"), (tc, "_checkpoint_without_reentrant_generator")])
+    if topic == "data_parallel":
+        return (f"torch.nn.parallel.DistributedDataParallel is switched off while exercise {exercise}'s checks "
+                "run: the exercise asks you to write the bucketing and the overlap yourself",
+                [(torch.nn.parallel.DistributedDataParallel, "__init__")])
+    if topic == "mixed_precision":
+        return (f"torch.amp.GradScaler is what your scaler is compared with, so it refuses to run for your code "
+                f"while exercise {exercise}'s checks run: write step() and update() yourself",
+                [(torch.amp.GradScaler, name) for name in ("__init__", "scale", "unscale_", "step", "update")]
+                + [(torch, "_amp_update_scale_")])
+    return "", []
+
+
 @contextmanager
-def _no_torch_checkpoint(exercise: str) -> Iterator[None]:
-    """``torch.utils.checkpoint.checkpoint`` looks these two up at each call: guard them, not the name."""
-    import torch.utils.checkpoint as tc
+def _switched_off(owner: object, name: str, topic: str, why: str) -> Iterator[None]:
+    """``owner.name`` refuses calls from the student's code (the check's own calls run as usual)."""
+    missing = object()
+    raw = vars(owner).get(name, missing)      # what to put back; missing if a class inherits it
+    target = getattr(owner, name)
+    what = f"{getattr(owner, '__name__', owner)}.{name}"
 
-    why = (f"torch.utils.checkpoint is switched off while exercise {exercise}'s checks run: the exercise asks "
-           "you to write the checkpointing yourself")
+    def call(*args, **kwargs):
+        refuse_if_student(topic, what, why)
+        return target(*args, **kwargs)
 
-    class Refused(tc.CheckpointFunction):
-        @staticmethod
-        def forward(ctx, *args):
-            refuse_if_student("checkpointing", "torch.utils.checkpoint", why)
-            return tc.CheckpointFunction.forward(ctx, *args)
-
-    generator = tc._checkpoint_without_reentrant_generator
-
-    def refused_generator(*args, **kwargs):
-        refuse_if_student("checkpointing", "torch.utils.checkpoint", why)
-        return generator(*args, **kwargs)
-
-    saved = tc.CheckpointFunction
-    tc.CheckpointFunction, tc._checkpoint_without_reentrant_generator = Refused, refused_generator
+    # a method defined on the class stays a method; a static, class or inherited one is already bound
+    plain = not isinstance(owner, type) or isinstance(raw, FunctionType)
+    setattr(owner, name, call if plain else staticmethod(call))
     try:
         yield
     finally:
-        tc.CheckpointFunction, tc._checkpoint_without_reentrant_generator = saved, generator
+        if raw is missing:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, raw)
 
 
 @contextmanager
@@ -131,8 +153,10 @@ def watching(topics: Mapping[str, str], p2p_only: bool = False) -> Iterator[Watc
         # the frame that entered `with watching(...)` is where the check's own frames end
         stack.enter_context(refusing({**topics, **({"p2p-only": exercise} if p2p_only else {})},
                                      boundary=sys._getframe(2)))
-        if "checkpointing" in topics:
-            stack.enter_context(_no_torch_checkpoint(topics["checkpointing"]))
+        for topic, exercise_of_topic in topics.items():
+            why, pairs = _library_answers(topic, exercise_of_topic)
+            for owner, name in pairs:
+                stack.enter_context(_switched_off(owner, name, topic, why))
         for name in COLLECTIVE_METHODS:
             if name in ProcessGroup.__dict__:
                 stack.enter_context(_patched(ProcessGroup, name,

@@ -20,10 +20,9 @@ for the student's code; a class that is or subclasses the course's scaler is ref
 from __future__ import annotations
 
 import math
-from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +30,7 @@ import torch.nn.functional as F
 from dtcourse.checks.common import _as_student, _check_names, _launch_check
 from dtcourse.checks.guard import watching
 from dtcourse.mixed_precision import LossScaler
-from dtcourse.runtime.refuse import ReferenceRefused, refuse_if_student
+from dtcourse.runtime.refuse import ReferenceRefused
 
 __all__ = ["check_loss_scaler", "SCALER_CASES"]
 
@@ -102,36 +101,8 @@ def _refuse_the_course_scaler(cls: Callable) -> None:
             "does, and write step() and update() yourself.")
 
 
-_GRAD_SCALER_WHY = ("torch.amp.GradScaler is what your scaler is compared with, so it refuses to run for your code "
-                    "while exercise 04's checks run: write step() and update() yourself")
-
-
-@contextmanager
-def _no_grad_scaler() -> Iterator[None]:
-    """``torch.amp.GradScaler`` (and torch's fused update of its scale) refuse calls from the student's code.
-
-    The check's own GradScaler, built and driven by the check's frames, runs as usual.
-    """
-    def guarded(original: Callable, what: str) -> Callable:
-        def call(*args, **kwargs):
-            refuse_if_student("mixed_precision", what, _GRAD_SCALER_WHY)
-            return original(*args, **kwargs)
-        return call
-
-    cls = torch.amp.GradScaler
-    with ExitStack() as stack:
-        for name in ("__init__", "scale", "unscale_", "step", "update"):
-            original = cls.__dict__[name]
-            setattr(cls, name, guarded(original, f"torch.amp.GradScaler.{name}"))
-            stack.callback(setattr, cls, name, original)
-        original_update = torch._amp_update_scale_
-        torch._amp_update_scale_ = guarded(original_update, "torch._amp_update_scale_")
-        stack.callback(setattr, torch, "_amp_update_scale_", original_update)
-        yield
-
-
 def _scaler_rank(cls: Callable, cases: tuple[str, ...], progress: str) -> list:
-    with watching(_TOPICS), _no_grad_scaler():
+    with watching(_TOPICS):
         for name in cases:
             case = SCALER_CASES[name]
             label = f"case {name!r} ({case.description})"
