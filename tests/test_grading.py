@@ -462,16 +462,11 @@ def ring_all_gather(output, input_tensor):
         source = (rank - step - 1) % n
         output.view(n, -1)[source] = incoming.view(n, -1)[source]
 ''',
-    "ring_all_reduce": '''
-def ring_all_reduce(tensor):
-    total, travelling = tensor.clone(), tensor.clone()
-    for step in range(dist.get_world_size() - 1):
-        incoming = torch.empty_like(travelling)
-        send_right_recv_left(travelling, incoming)
-        total += incoming
-        travelling = incoming
-    tensor.copy_(total)
-'''}
+    # the same as _whole_tensor_around above, under the exercise's names
+    "ring_all_reduce": "\n" + inspect.getsource(_whole_tensor_around).replace(
+        "def _whole_tensor_around(tensor: torch.Tensor) -> None:", "def ring_all_reduce(tensor):").replace(
+        "_ring_step(", "send_right_recv_left("),
+}
 THROUGH_RANK_0 = {  # everything relayed through rank 0, whose link carries (N-1) times the tensor
     "ring_reduce_scatter": '''
 def ring_reduce_scatter(output, input_tensor):

@@ -36,13 +36,12 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import inspect
 import sys
 from types import CodeType, FunctionType, MappingProxyType, ModuleType
 from typing import Callable
 
 from dtcourse.checks.collectives import FLOATS
-from dtcourse.runtime.refuse import is_library_file
+from dtcourse.runtime.refuse import is_library_file, is_student_class
 
 __all__ = ["check_model_states", "check_activations",
            "check_ring_exchange", "check_reduce_scatter", "check_all_gather", "check_all_reduce", "FLOATS",
@@ -104,7 +103,7 @@ def _student_code(obj: object, seen: set[int] | None = None) -> list[CodeType]:
     seen.add(id(obj))
     if isinstance(obj, type):
         for klass in obj.__mro__:
-            if klass is not object and not is_library_file(inspect.getfile(klass) if _has_file(klass) else "<x>"):
+            if is_student_class(klass):
                 for member in vars(klass).values():
                     member = getattr(member, "__func__", getattr(member, "fget", member))
                     found += _student_code(member, seen)
@@ -121,14 +120,6 @@ def _student_code(obj: object, seen: set[int] | None = None) -> list[CodeType]:
             if isinstance(value, (FunctionType, type)):
                 found += _student_code(value, seen)
     return found
-
-
-def _has_file(klass: type) -> bool:
-    try:
-        inspect.getfile(klass)
-        return True
-    except (TypeError, OSError):
-        return False
 
 
 def _name(obj: object) -> str:

@@ -27,7 +27,8 @@ from contextlib import contextmanager
 from types import FrameType, MappingProxyType
 from typing import Callable, Iterator, Mapping, TypeVar
 
-__all__ = ["ReferenceRefused", "reference", "refusing", "refuse_if_student", "student_on_stack", "is_library_file"]
+__all__ = ["ReferenceRefused", "reference", "refusing", "refuse_if_student", "student_on_stack", "is_library_file",
+           "is_student_class"]
 
 T = TypeVar("T")
 
@@ -59,7 +60,7 @@ def student_on_stack(boundary: FrameType | None = None) -> bool:
     return False
 
 
-def _student_class(klass: type) -> bool:
+def is_student_class(klass: type) -> bool:
     """Was ``klass`` written outside dtcourse and the libraries (a notebook's ``__main__`` has no file)?"""
     if klass.__module__ == "builtins":
         return False
@@ -76,7 +77,7 @@ def refuse_if_student(topic: str, what: str, why: str = "", instance: object = N
     exercise = topics.get(topic)
     if exercise is None:
         return
-    subclass = instance is not None and any(_student_class(k) for k in type(instance).__mro__)
+    subclass = instance is not None and any(is_student_class(k) for k in type(instance).__mro__)
     if subclass or student_on_stack(boundary):
         raise ReferenceRefused(why or
             f"{what} is the course's own answer to exercise {exercise}, and it refuses to run while that "
