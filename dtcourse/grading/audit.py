@@ -202,10 +202,11 @@ def _without_magics(code: str) -> str:
     return "\n".join("" if line.lstrip().startswith(("%", "!")) else line for line in code.splitlines())
 
 
-def audit_notebook(path: str | Path) -> list[Finding]:
+def audit_notebook(notebook) -> list[Finding]:
+    """The findings in a notebook (a path, or one already read), numbered by the notebook's cells."""
     import nbformat
 
-    nb = nbformat.read(path, as_version=4)
+    nb = nbformat.read(notebook, as_version=4) if isinstance(notebook, (str, Path)) else notebook
     codes = [(i, c.source) for i, c in enumerate(nb.cells) if c.cell_type == "code"]
     return [Finding(codes[f.cell][0], f.line, f.what) for f in audit_cells(code for _, code in codes)]
 

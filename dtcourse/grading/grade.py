@@ -149,7 +149,7 @@ def grade_notebook(path: str | os.PathLike, source: str | os.PathLike | None = N
         report.error = str(err)
         return report
     report.notes += _restore(nb, nbformat.from_dict(stored))
-    report.flagged = [str(f) for f in audit_cells_of(nb)]
+    report.flagged = [str(f) for f in audit.audit_notebook(nb)]
 
     executed: set[int] = set()
 
@@ -182,12 +182,6 @@ def grade_notebook(path: str | os.PathLike, source: str | os.PathLike | None = N
             return report
     _score(nb, executed, stopped, report, self_check)
     return report
-
-
-def audit_cells_of(nb: nbformat.NotebookNode) -> list:
-    """The audit's findings in the notebook's code cells, numbered as the notebook's cells."""
-    codes = [(index, cell.source) for index, cell in enumerate(nb.cells) if cell.cell_type == "code"]
-    return [audit.Finding(codes[f.cell][0], f.line, f.what) for f in audit.audit_cells(code for _, code in codes)]
 
 
 def _restore(nb: nbformat.NotebookNode, stored: nbformat.NotebookNode) -> list[str]:
