@@ -256,12 +256,24 @@ def test_unknown_backend():
         launch(lambda: None, 2, backend="mpi")
 
 
-def test_cuda_initialized_before_fork_says_how_to_fix(monkeypatch):
+def test_a_parent_that_used_the_gpu_starts_its_ranks_as_new_interpreters(monkeypatch):
+    """A fork cannot use CUDA once the parent initialised it, nor run backward once the parent's autograd
+    started its GPU threads (dtcourse/runtime/fresh.py); then each rank execs a new Python."""
     monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    with pytest.raises(LaunchError, match="CUDA is already initialised.*Restart the kernel"):
-        launch(lambda: None, 2, backend="gloo")
+    scale = 2.0                                           # a closure over the test's own variable travels too
+
+    def rank():
+        x = torch.ones(3, requires_grad=True)
+        (scale * x).sum().backward()
+        t = x.grad.sum().reshape(1)
+        dist.all_reduce(t)
+        return sys.argv[0], t.item()                    # "-c": a new interpreter, not a fork of pytest
+    assert launch(rank, 3, backend="gloo", timeout=120) == [("-c", 18.0)] * 3
+    with pytest.raises(LaunchError, match=r"start in fresh interpreters.*must be\s+pickled.*cannot pickle"):
+        lock = __import__("threading").Lock()
+        launch(lambda: lock, 2, backend="gloo")
 
 
 def test_auto_backend_counts_gpus_without_initialising_cuda(monkeypatch):
@@ -272,6 +284,7 @@ def test_auto_backend_counts_gpus_without_initialising_cuda(monkeypatch):
     monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     assert choose_backend(4) == "nccl" and choose_backend(5) == "gloo"   # one GPU per rank, or CPU
+    assert choose_backend(1) == "gloo" and choose_backend(1, "nccl") == "nccl"   # one rank: the GPU when asked
     assert choose_backend(4, "gloo") == "gloo"
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     assert choose_backend(1) == "gloo"

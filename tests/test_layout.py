@@ -27,7 +27,7 @@ SHARED = {"__init__", "models", "mesh", "parity", "cli",
           "exercises", "grade"}          # the last two only keep `python -m dtcourse.exercises / .grade` working
 SUBPACKAGES = {"runtime", "lab", "checks", "bench", "grading"}
 # Benchmarks of the infrastructure rather than of a technique.
-BENCH_EXTRAS = {"launch"}
+BENCH_EXTRAS = {"launch", "gpu"}   # gpu: every CUDA / nccl path of the course in one run
 # Modules allowed past 350 lines, each with the reason it stays whole.
 LONG_MODULES = {
     "dtcourse/lab/mixed_precision.py": "lesson 04's companion: number formats, gradients against fp16's range and "

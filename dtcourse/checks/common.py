@@ -135,7 +135,8 @@ def _launch_check(label: str, world_size: int, rank_fn: Callable, args: tuple, t
         timeout = float(os.environ.get("DTCOURSE_CHECK_TIMEOUT", "20"))
     with tempfile.TemporaryDirectory(prefix="dtcourse-check-") as progress:
         try:
-            results = launch(_stderr_to_stdout, world_size, rank_fn, *args, progress, timeout=timeout)
+            results = launch(_stderr_to_stdout, world_size, rank_fn, *args, progress, timeout=timeout,
+                             backend="gloo")      # the checks build CPU tensors, GPUs or not
         except LaunchTimeout as err:
             notes = _notes(progress, world_size)
             busy: dict[str, list[int]] = {}

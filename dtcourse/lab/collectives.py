@@ -36,6 +36,7 @@ from dtcourse.collectives import (ALGORITHMS, ByteCounter, Message, algbw, busbw
 from dtcourse.collectives.messages import exchange
 from dtcourse.lab.problems import Answer, pretty
 from dtcourse.lab.widgets import COLUMN_IN, FigureView, figure_widget
+from dtcourse.runtime.compat import all_gather_single, reduce_scatter_single
 from dtcourse.runtime.launch import launch
 
 
@@ -108,8 +109,8 @@ def _ours(collective: str, name: str) -> Callable:
 
 
 _BACKEND = {"all_reduce": lambda big, small: dist.all_reduce(big),
-            "reduce_scatter": lambda big, small: dist.reduce_scatter_single(small, big),   # reduce_scatter_tensor
-            "all_gather": lambda big, small: dist.all_gather_single(big, small)}           # all_gather_into_tensor
+            "reduce_scatter": lambda big, small: reduce_scatter_single(small, big),
+            "all_gather": lambda big, small: all_gather_single(big, small)}
 
 
 def _time_rank(collective: str, sizes: list[int], algorithms: list[str], iterations: int | None) -> list[dict]:

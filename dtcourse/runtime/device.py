@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["BACKENDS", "gpu_count", "choose_backend", "device", "refuse_initialised_cuda"]
+__all__ = ["BACKENDS", "gpu_count", "choose_backend", "device"]
 
 BACKENDS = ("auto", "gloo", "nccl")
 
@@ -30,7 +30,10 @@ def gpu_count() -> int:
 
 
 def choose_backend(world_size: int, backend: str = "auto") -> str:
-    """``"auto"`` is nccl with one GPU per rank when there are enough GPUs, else gloo.
+    """``"auto"`` is nccl with one GPU per rank when there are two ranks or more and enough GPUs, else gloo.
+
+    One rank has nothing to communicate, and much of the course's single-rank code builds CPU
+    tensors: ask for ``backend="nccl"`` by name to run one rank on the GPU.
 
     An unknown name is a ``ValueError``; an explicit ``"nccl"`` without a GPU for every rank is a
     ``RuntimeError``; both say what to change.
@@ -39,21 +42,12 @@ def choose_backend(world_size: int, backend: str = "auto") -> str:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}.")
     gpus = gpu_count()
     if backend == "auto":
-        return "nccl" if 0 < world_size <= gpus else "gloo"
+        return "nccl" if 1 < world_size <= gpus else "gloo"
     if backend == "nccl" and gpus < world_size:
         fix = f"or world_size<={gpus}" if gpus else "(this machine has no GPU that CUDA can use)"
         raise RuntimeError(f"backend='nccl' needs one GPU per rank, but world_size={world_size} and this "
                            f"machine has {gpus} GPU(s). Use backend='gloo' (CPU ranks) {fix}.")
     return backend
-
-
-def refuse_initialised_cuda() -> None:
-    """Raise if this process already initialised CUDA: a forked rank could not use the GPU."""
-    if torch.backends.cuda.is_built() and torch.cuda.is_initialized():
-        raise RuntimeError(
-            "CUDA is already initialised in this process, and a forked rank cannot use it. Restart the "
-            "kernel and call launch before anything touches the GPU (no .cuda(), no tensors on 'cuda' "
-            "in the notebook itself): create GPU tensors inside the function that launch runs.")
 
 
 def device() -> torch.device:

@@ -39,7 +39,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from dtcourse.runtime.device import choose_backend, refuse_initialised_cuda
+from dtcourse.runtime.device import choose_backend
 from dtcourse.runtime.processes import LaunchError, LaunchTimeout, RankError, run_ranks
 
 __all__ = ["launch", "init_from_env", "LaunchError", "RankError", "LaunchTimeout"]
@@ -115,8 +115,10 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float =
            backend: str = "auto", threads: int = DEFAULT_THREADS, **kwargs: Any) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` forked ranks; return their results by rank.
 
-    ``backend`` is ``"auto"`` (nccl with one GPU per rank when there are enough GPUs, else
-    gloo), ``"gloo"`` or ``"nccl"``; inside ``fn``, ``dtcourse.device()`` is the rank's device.
+    ``backend`` is ``"auto"`` (nccl with one GPU per rank when there are two ranks or more and
+    enough GPUs, else gloo), ``"gloo"`` or ``"nccl"``; inside ``fn``, ``dtcourse.device()`` is the
+    rank's device. Where a fork could not use the GPU, the ranks start as new interpreters
+    (``dtcourse.runtime.fresh``): slower to start, and ``fn`` must pickle.
     ``timeout`` (seconds) bounds the whole run: a rank that hangs, for example in a collective
     another rank skipped, makes ``launch`` raise ``LaunchTimeout`` (a ``TimeoutError``) with
     ``.stuck`` (the ranks still running) and ``.stacks`` (where each was). ``threads`` is the
@@ -126,7 +128,6 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float =
     _check_inputs(fn, world_size, timeout, threads)
     try:
         backend = choose_backend(world_size, backend)
-        refuse_initialised_cuda()
     except (ValueError, RuntimeError) as err:
         raise (ValueError if isinstance(err, ValueError) else LaunchError)(f"launch: {err}") from None
     _warm_imports()

@@ -9,7 +9,8 @@ message is laid out.
 Each child runs in its own process group (``setpgid``), asks the kernel to kill it if the parent
 dies (``PR_SET_PDEATHSIG``), and is killed with its whole group when the launch ends, on success,
 error, timeout or Ctrl-C. A child never returns into the parent's code: whatever happens in it,
-even an exception before it reaches the user's function, ends in ``os._exit``.
+even an exception before it reaches the user's function, ends in ``os._exit``. ``fresh.py`` says
+when a child replaces itself with a new Python instead (a parent that used the GPU).
 """
 
 from __future__ import annotations
@@ -24,56 +25,20 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
+from dtcourse.runtime import fresh
+from dtcourse.runtime.errors import LaunchError, LaunchTimeout, RankError, frames  # noqa: F401 (re-exported)
 from dtcourse.runtime.results import decode, encode
 
 __all__ = ["LaunchError", "RankError", "LaunchTimeout", "run_ranks"]
 
 READ_CHUNK = 1 << 20            # bytes per os.read: a 256 MB result arrives in 256 reads
 SETUP_FAILED = 70               # a child's exit code when it failed before running fn
-
-
-class LaunchError(RuntimeError):
-    """A launch could not start, or a rank failed to send its result back."""
-
-
-class RankError(RuntimeError):
-    """A rank raised an exception; ``rank`` and ``remote_traceback`` say where."""
-
-    def __init__(self, rank: int, remote_traceback: str):
-        self.rank = rank
-        self.remote_traceback = remote_traceback
-        super().__init__(f"rank {rank} raised an exception:\n\n{remote_traceback}")
-
-
-class LaunchTimeout(TimeoutError):
-    """Ranks still ran when the timeout expired.
-
-    ``stuck`` lists those ranks; ``stacks`` maps each to the Python stack it was on (innermost
-    call first), as faulthandler printed it. Both are there to read, so no caller parses the
-    message.
-    """
-
-    def __init__(self, timeout: float, stuck: list[int], stacks: dict[int, str]):
-        self.timeout = timeout
-        self.stuck = stuck
-        self.stacks = stacks
-        where = "".join(f"\n  rank {r} was at " + "\n      called from ".join(frames(stacks[r])[:3])
-                        for r in stuck if frames(stacks.get(r, "")))
-        super().__init__(
-            f"launch timed out after {timeout:g} s; rank(s) {stuck} still running. A common cause is a "
-            "collective or recv that another rank never reached (for example a call inside "
-            "`if rank == 0:`). All ranks were stopped; raise timeout= if the work is just slow."
-            + (f"\nWhere the stuck ranks were (innermost call first):{where}" if where else ""))
-
-
-def frames(stack: str) -> list[str]:
-    """The ``File ..., line ..., in ...`` lines of a faulthandler stack, innermost first."""
-    return [ln.strip() for ln in stack.splitlines() if ln.strip().startswith("File")]
 
 
 # --------------------------------------------------------------------------- #
@@ -183,9 +148,10 @@ class _Rank:
 
 def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple, kwargs: dict, *, backend: str,
               store_path: str, timeout: float, threads: int) -> list[Any]:
-    """Fork ``world_size`` ranks running ``fn``; return their results by rank; leave none running."""
-    ranks: list[_Rank] = []
-    sel = selectors.DefaultSelector()
+    """Fork ``world_size`` ranks running ``fn`` (each a new Python where ``fresh.why_fresh()`` says a
+    fork could not compute); return their results by rank; leave none running."""
+    ranks, sel, why = [], selectors.DefaultSelector(), fresh.why_fresh()
+    payload = fresh.write_payload(fn, args, kwargs, why) if why else None
     try:
         for rank in range(world_size):
             pipes = [os.pipe() for _ in range(4)]
@@ -199,8 +165,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple, kwargs: dict
                         os.close(fd)
                 for read_end, _ in pipes:
                     os.close(read_end)
-                _child(fn, args, kwargs, rank, world_size, backend, store_path, timeout, threads,
-                       [w for _, w in pipes])
+                start = partial(fresh.exec_rank, payload) if payload else partial(_child, fn, args, kwargs)
+                start(rank, world_size, backend, store_path, timeout, threads, [w for _, w in pipes])
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             for _, write_end in pipes:
                 os.close(write_end)
@@ -217,6 +183,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple, kwargs: dict
         for r in ranks:
             for fd in r.fds:
                 os.close(fd)
+        if payload:
+            os.unlink(payload)
 
 
 def _kill_all(ranks: list[_Rank]) -> None:

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from dtcourse.collectives import ByteCounter, ring_all_gather, ring_all_reduce, ring_reduce_scatter
+from dtcourse.runtime.compat import all_gather_single, reduce_scatter_single
 
 __all__ = ["COMMS", "Collective", "Communicator", "Handle"]
 
@@ -96,7 +97,7 @@ class Communicator:
             return self._measured("all_gather", what, unit, phase, full.nbytes,
                                   lambda: ring_all_gather(full, part, group=self.group, counter=self.counter))
         self._note("all_gather", what, unit, phase, full.nbytes, self.world - 1)
-        return _handle(dist.all_gather_single(full, part, group=self.group, async_op=async_op))
+        return _handle(all_gather_single(full, part, group=self.group, async_op=async_op))
 
     def reduce_scatter(self, part: torch.Tensor, full: torch.Tensor, what: str, unit: str, phase: str,
                        async_op: bool = False) -> Handle:
@@ -105,8 +106,8 @@ class Communicator:
             return self._measured("reduce_scatter", what, unit, phase, full.nbytes,
                                   lambda: ring_reduce_scatter(part, full, group=self.group, counter=self.counter))
         self._note("reduce_scatter", what, unit, phase, full.nbytes, self.world - 1)
-        return _handle(dist.reduce_scatter_single(part, full, op=ReduceOp.SUM, group=self.group,
-                                                  async_op=async_op))
+        return _handle(reduce_scatter_single(part, full, op=ReduceOp.SUM, group=self.group,
+                                             async_op=async_op))
 
     def all_reduce(self, tensor: torch.Tensor, what: str, unit: str, phase: str,
                    async_op: bool = False) -> Handle:

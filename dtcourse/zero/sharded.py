@@ -44,6 +44,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from dtcourse.mixed_precision import Recipe
 from dtcourse.zero.validate import MARK, build_optimizer, check_arguments, check_module, check_same_model
+from dtcourse.runtime.compat import all_gather_single
 from dtcourse.zero.communication import Communicator, Handle
 from dtcourse.zero.flat import FlatShard
 from dtcourse.zero.memory import ModelStateBytes, held_bytes
@@ -331,7 +332,7 @@ class ZeRO(nn.Module):
             return part
         whole = part.new_empty(flat.padded)
         with torch.no_grad():
-            dist.all_gather_single(whole, part.contiguous(), group=self.group)
+            all_gather_single(whole, part.contiguous(), group=self.group)
         return whole
 
 
