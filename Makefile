@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.dtcourse-installed
 # Notebooks call `!torchrun` and `jupyter`: find the venv's copies first.
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: setup lab lab-instructor test exercises bench clean
+.PHONY: setup lab lab-instructor test exercises bench gpu-check clean
 
 setup: $(STAMP)
 
@@ -46,9 +46,21 @@ test: setup
 exercises:
 	@$(if $(wildcard $(PY)),$(PY),python3) -m dtcourse.exercises
 
+# Every benchmark but the GPU one (gpu-check runs that).
 bench: setup
-	for stem in $$($(VENV)/bin/dtcourse bench --list | sed 's/^benchmarks: //; s/,//g'); do \
+	for stem in $$($(VENV)/bin/dtcourse bench --list | sed 's/^benchmarks: //; s/,//g; s/\bgpu\b//'); do \
 		OMP_NUM_THREADS=1 $(VENV)/bin/dtcourse bench $$stem || exit 1; done
+
+# On a machine with an NVIDIA GPU: the GPU benchmarks (dtcourse/bench/gpu.py), then the whole test
+# suite (its CUDA tests run instead of skipping) and every notebook. GPU_PY=python3 uses a Python that
+# already has a CUDA build of torch instead of the venv; JOBS>1 needs pytest-xdist there.
+GPU_PY ?= $(PY)
+JOBS   ?= 1
+XDIST   = $(if $(filter-out 1,$(JOBS)),-n $(JOBS) --dist loadscope,)
+gpu-check: $(if $(filter $(PY),$(GPU_PY)),setup,)
+	$(GPU_PY) -m dtcourse.bench.gpu
+	OMP_NUM_THREADS=1 $(GPU_PY) -m pytest -q $(XDIST) tests
+	OMP_NUM_THREADS=1 $(GPU_PY) -m pytest -q $(XDIST) $(NBVAL) lessons solutions
 
 clean:
 	rm -rf $(VENV) .pytest_cache
