@@ -232,8 +232,9 @@ def main(argv: list[str] | None = None) -> None:
     repeats = 3 if args.quick else args.repeats
     zero_section(repeats)                 # first, while this process has not touched CUDA
     props = torch.cuda.get_device_properties(0)
+    nccl = torch.cuda.nccl.version()
     print(f"\nmachine: {props.name}, {props.total_memory / 2**30:.0f} GiB, torch {torch.__version__}, "
-          f"CUDA {torch.version.cuda}, nccl {'.'.join(map(str, torch.cuda.nccl.version()))}")
+          f"CUDA {torch.version.cuda}, nccl {'.'.join(map(str, nccl)) if isinstance(nccl, tuple) else nccl}")
     memory_section()
     mixed_precision_section(repeats)
     checkpointing_section(repeats)
