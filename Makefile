@@ -56,11 +56,11 @@ bench: setup
 # already has a CUDA build of torch instead of the venv; JOBS>1 needs pytest-xdist there.
 GPU_PY ?= $(PY)
 JOBS   ?= 1
-XDIST   = $(if $(filter-out 1,$(JOBS)),-n $(JOBS) --dist loadscope,)
+XDIST   = $(if $(filter-out 1,$(JOBS)),-n $(JOBS),)
 gpu-check: $(if $(filter $(PY),$(GPU_PY)),setup,)
 	$(GPU_PY) -m dtcourse.bench.gpu
-	OMP_NUM_THREADS=1 $(GPU_PY) -m pytest -q $(XDIST) tests
-	OMP_NUM_THREADS=1 $(GPU_PY) -m pytest -q $(XDIST) $(NBVAL) lessons solutions
+	OMP_NUM_THREADS=1 $(GPU_PY) -m pytest -q -rf $(XDIST) tests
+	OMP_NUM_THREADS=1 $(GPU_PY) -m pytest -q -rf $(XDIST) $(if $(XDIST),--dist loadscope,) $(NBVAL) lessons solutions
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -5,6 +5,8 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
+
 from dtcourse import cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,3 +54,11 @@ def test_grade_reports_a_missing_notebook_with_exit_2():
         run = _run(*args)
         assert run.returncode == 2, (args, run.stdout, run.stderr)
         assert "no_such.ipynb" in run.stdout + run.stderr
+
+
+def test_the_gpu_benchmark_says_it_needs_a_gpu(monkeypatch):
+    """`dtcourse bench gpu` (make gpu-check) on a machine without CUDA: one clear line, no traceback."""
+    import dtcourse.bench.gpu as gpu
+    monkeypatch.setattr("dtcourse.runtime.gpu_count", lambda: 0)
+    with pytest.raises(SystemExit, match="needs a CUDA GPU; this machine has none"):
+        gpu.main([])

@@ -136,7 +136,8 @@ def memory_section() -> None:
     for mixed in (None, torch.bfloat16):
         model = GPT(config, seed=0)
         label = "fp32" if mixed is None else "bf16 copy + fp32 master"
-        predicted = predict_step(model, gpt_activation_bytes(config, 4), mixed=mixed is not None)
+        predicted = predict_step(model, gpt_activation_bytes(config, 4, dtype=mixed or torch.float32),
+                                 mixed=mixed is not None)
         for how, m in (("allocator", measure_step(model, batch, lm_loss, mixed_dtype=mixed, device="cuda",
                                                    by="allocator")),
                        ("tensors", measure_step(model, batch, lm_loss, mixed_dtype=mixed, device="cuda")),
