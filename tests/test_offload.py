@@ -1,0 +1,186 @@
+"""Offloading: ZeRO with its optimizer on the host or on disk, against one process, against ZeRO without
+offloading (bit for bit) and against FSDP2's CPUOffloadPolicy; what it moves; the delayed update's lag.
+
+The parity cases go through ``dtcourse.parity.check_parity`` (see tests/test_zero.py for its protocol).
+"""
+
+import functools
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from dtcourse import launch
+from dtcourse.models import MLP, regression_batch
+from dtcourse.offload import OffloadedOptimizer
+from dtcourse.parity import Tolerance, check_parity
+from dtcourse.zero import ZeRO, default_units
+
+SIZES = (6, 10, 12, 7)           # 70, 132 and 91 elements per unit: padded at N = 2, 3, 4 and 5
+B, STEPS, LR = 60, 4, 1e-3
+adamw = functools.partial(torch.optim.AdamW, lr=LR)
+ONE_PROCESS = Tolerance(1e-5, 0, (
+    "the N ranks' mean gradients summed and divided by N add the same numbers as one process's mean in "
+    "another order, a few ulps, which AdamW's first steps (lr * g / |g|) can move to ~1e-7"))
+SAME = Tolerance(0, 0, "the host runs the same AdamW on the same fp32 numbers as the device would: bit for bit")
+TORCH = Tolerance(1e-5, 0, "FSDP2 sums the same per-rank gradients and may divide by N elsewhere: a few ulps")
+
+
+def _batches():
+    return [regression_batch(B, SIZES[0], SIZES[-1], seed=s) for s in range(STEPS)]
+
+
+def _offloaded(stage, **options):
+    opt = functools.partial(OffloadedOptimizer, inner=adamw, **options)
+    return lambda model, group: ZeRO(model, stage, opt, group)
+
+
+class _FSDP2Offload:
+    """FSDP2 with ``CPUOffloadPolicy(pin_memory=False)``: per unit, then the root (parity's protocol)."""
+
+    def __init__(self, model, group):
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+        mesh, policy = DeviceMesh.from_group(group or dist.group.WORLD, "cpu"), CPUOffloadPolicy(pin_memory=False)
+        for name in default_units(model):
+            fully_shard(model.get_submodule(name), mesh=mesh, offload_policy=policy)
+        self.model = fully_shard(model, mesh=mesh, offload_policy=policy)
+        self.optimizer = adamw(model.parameters())
+
+    def forward_backward(self, x, y, loss_fn):
+        out = self.model(x)
+        loss_fn(out, y).backward()
+        return out.detach()
+
+    def full_gradients(self):
+        return {n: p.grad.full_tensor() for n, p in self.model.named_parameters() if p.grad is not None}
+
+    def full_parameters(self):
+        return {n: p.full_tensor() for n, p in self.model.named_parameters()}
+
+    def step(self):
+        self.optimizer.step()
+
+    def zero_grad(self):
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+def _parity(tmp):
+    mlp = lambda: MLP(SIZES, seed=0)
+    ours = {f"stage {s}/{tier}": _offloaded(s, tier=tier, directory=os.path.join(tmp, f"{s}") if tier == "disk"
+                                            else None) for s in (1, 2, 3) for tier in ("host", "disk")}
+    vs_one = check_parity(mlp, ours, _batches(), F.mse_loss, adamw, tolerance=ONE_PROCESS,
+                          reference=lambda m, g: ZeRO(m, 2, adamw, g), reference_tolerance=SAME)
+    vs_torch = check_parity(mlp, _offloaded(3, tier="disk", directory=os.path.join(tmp, "t")), _batches(),
+                            F.mse_loss, adamw, tolerance=ONE_PROCESS, reference=_FSDP2Offload,
+                            reference_tolerance=TORCH)
+    return vs_one, vs_torch
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 5])
+def test_offloaded_zero_matches_one_process_zero_and_fsdp2_offload(world_size, tmp_path):
+    for report in launch(_parity, world_size, str(tmp_path), timeout=120)[0]:
+        assert report.steps == STEPS and report.worst("ranks") == 0.0
+        assert report.worst("reference") <= 1e-5
+
+
+def _traffic(tmp):
+    model = ZeRO(MLP(SIZES, seed=0), 2, functools.partial(OffloadedOptimizer, inner=adamw, tier="disk",
+                                                           directory=tmp))
+    opt, files = model.optimizer, []
+    held = []
+    for s in range(3):
+        x, y = regression_batch(B // dist.get_world_size(), SIZES[0], SIZES[-1], seed=s)
+        F.mse_loss(model(x), y).backward()
+        model.step()
+        model.zero_grad()
+        held.append(opt.host_bytes())
+    files = sorted(f for f in os.listdir(tmp) if f.startswith(f"{os.getpid()}-"))
+    shard = sum(p.numel() for p in opt.param_groups[0]["params"]) * 4
+    return opt.stats, shard, held, files, model.memory()
+
+
+def test_disk_tier_moves_a_shard_each_way_and_holds_nothing_between_steps(tmp_path):
+    for stats, shard, held, files, memory in launch(_traffic, 3, str(tmp_path), timeout=60):
+        assert stats.steps == 3
+        assert stats.down == stats.up == 3 * shard             # the gradient part down, the parameter part up
+        # the parameter part and Adam's m and v are read in for each step and written back after it
+        assert stats.read == 3 * shard + 2 * 2 * shard         # step 1 has no states to read yet
+        assert stats.written == shard + 3 * (3 * shard)        # the first copy out, then part + m + v per step
+        assert held == [0, 0, 0]                               # between steps, nothing of it is in memory
+        assert len(files) == 3 * 3                             # 3 units: part, m, v each
+        assert memory.optimizer_states == 0                    # the device keeps no optimizer state
+
+
+def _linear_run(delayed):
+    """A loss linear in the weights: each step's gradient does not depend on them, so two runs see the same."""
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(50))
+    opt = OffloadedOptimizer([w], adamw, delayed=delayed)
+    seen = []
+    for step in range(5):
+        g = torch.randn(50, generator=torch.Generator().manual_seed(step))
+        (w * g).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        seen.append(w.detach().clone())
+    opt.flush()
+    return seen, w.detach().clone()
+
+
+def test_the_delayed_update_lags_the_normal_run_by_exactly_one_step():
+    normal, last = _linear_run(False)
+    delayed, flushed = _linear_run(True)
+    assert not torch.equal(delayed[0], normal[0])             # after step 1 the device has no update yet
+    for t in range(1, 5):
+        assert torch.equal(delayed[t], normal[t - 1])          # after step t+1: step t's update, bit for bit
+    assert torch.equal(flushed, last)
+
+
+def test_bad_inputs_say_what_to_change(tmp_path):
+    w = [nn.Parameter(torch.zeros(3))]
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    with pytest.raises(PermissionError, match=r"cannot write to the offload directory .*a-file/states.*directory="):
+        OffloadedOptimizer(w, adamw, tier="disk", directory=str(blocker / "states"))
+    with pytest.raises(ValueError, match=r"tier must be one of \('host', 'disk'\), got 'nvme'"):
+        OffloadedOptimizer(w, adamw, tier="nvme")
+    with pytest.raises(TypeError, match="optimizer class or a factory"):
+        OffloadedOptimizer(w, adamw(w))
+    with pytest.raises(ValueError, match="must be fp32"):
+        OffloadedOptimizer([nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))], adamw)
+
+
+# --------------------------------------------------------------------------- #
+# What lesson 07 measures and draws (dtcourse.lab.offload)
+# --------------------------------------------------------------------------- #
+def test_the_lesson_measurement_counts_each_tier_and_draws_it():
+    from dtcourse.lab import offload as lab
+
+    runs = lab.measure_offload(2, sizes=(16, 33, 9), steps=2)       # 561 + 306 elements: odd, so padded
+    device, host, disk = (runs[v] for v in lab.VARIANTS)
+    assert device.shard_bytes == host.shard_bytes == 4 * (281 + 153)  # ceil(561/2) + ceil(306/2) elements
+    assert (device.down, device.up, device.read, device.written) == (0, 0, 0, 0)
+    assert host.down == host.up == host.shard_bytes and host.read == host.written == 0
+    assert disk.down == disk.up == disk.shard_bytes and disk.read == disk.written == 3 * disk.shard_bytes
+    assert device.device_states == 2 * device.shard_bytes + 2 * 4   # m, v and one step count per unit
+    assert host.device_states == disk.device_states == 0
+    assert all(set(r.seconds) == set(lab.PARTS) and min(r.seconds.values()) >= 0 for r in runs.values())
+    left, right = lab.plot_offload(runs).axes
+    assert len(left.patches) == len(lab.PARTS) * 3 and len(right.patches) == 2 * 3
+    with pytest.raises(ValueError, match=r"variants must come from \('device', 'host', 'disk'\)"):
+        lab.measure_offload(2, ("gpu",))
+
+
+def test_the_lesson_problems_agree_with_their_formulas():
+    from dtcourse.lab import offload as lab
+
+    small = (16, 32, 8)
+    for answer in (lab.problem_bytes_each_way(2, small), lab.problem_disk_bytes(2, small),
+                   lab.problem_device_states(2, small), lab.problem_delayed_lag()):
+        assert answer.agrees, answer
+    assert lab.delayed_lag(steps=4) == [True, True, True]
