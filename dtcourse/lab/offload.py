@@ -130,7 +130,8 @@ def measure_offload(world_size: int = 2, variants: tuple[str, ...] = VARIANTS, *
 
 
 def plot_offload(runs: dict[str, OffloadRun]) -> Figure:
-    """Left: time per step by part, stacked. Right: optimizer states on the device, and resident memory."""
+    """Left: time per step by part, stacked. Right: optimizer states on the device, and the resident
+    memory (VmRSS) above or below the first run's (the process's own few hundred MiB cancel out)."""
     fig = Figure(figsize=(COLUMN_IN, 3.0), layout="constrained")
     left, right = fig.subplots(1, 2)
     names = list(runs)
@@ -142,14 +143,16 @@ def plot_offload(runs: dict[str, OffloadRun]) -> Figure:
     left.set_ylabel("ms per step (median, rank 0)")
     left.set_title("Where a step's time goes")
     left.legend(fontsize=7)
-    xs = range(len(names))
+    xs, base = range(len(names)), runs[names[0]].resident
     right.bar([x - 0.2 for x in xs], [runs[n].device_states / 2**20 for n in names], 0.4,
               label="optimizer states on the device")
-    right.bar([x + 0.2 for x in xs], [runs[n].resident / 2**20 for n in names], 0.4, label="resident (VmRSS)")
+    right.bar([x + 0.2 for x in xs], [(runs[n].resident - base) / 2**20 for n in names], 0.4,
+              label=f"resident memory vs {names[0]!r}")
+    right.axhline(0, color="black", linewidth=0.8)
     right.set_xticks(list(xs), names)
     right.set_ylabel("MiB, rank 0")
     right.set_title("Memory between steps")
-    right.legend(fontsize=7)
+    right.legend(fontsize=7, loc="lower left")
     return fig
 
 
