@@ -32,7 +32,7 @@ import torch.nn as nn
 
 from dtcourse.runtime.device import device as runtime_device
 
-__all__ = ["check_parity", "Tolerance", "ParityReport", "Parallel", "Replicated", "even_split", "whole_batch",
+__all__ = ["check_parity", "Tolerance", "ParityReport", "Parallel", "Replicated", "FullyShard", "even_split", "whole_batch",
            "KINDS"]
 
 KINDS = ("output", "gradient", "parameter")          # in the order a step produces them
@@ -125,6 +125,42 @@ class Replicated:
 
     def full_parameters(self) -> Tensors:
         return {n: p.detach() for n, p in self.module.named_parameters()}
+
+    def step(self) -> None:
+        self.optimizer.step()
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+class FullyShard:
+    """``Parallel`` for PyTorch's FSDP2: ``fully_shard`` on each submodule named in ``units``, then on the root.
+
+    ``options`` go to every ``fully_shard`` call (``reshard_after_forward``, ``mp_policy``,
+    ``offload_policy``); the full tensors are read from the sharded DTensors with ``full_tensor()``.
+    """
+
+    def __init__(self, model: nn.Module, group: dist.ProcessGroup | None, optimizer: OptimizerFactory,
+                 units: Sequence[str], **options: Any):
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = DeviceMesh.from_group(group or dist.group.WORLD, runtime_device().type)
+        for name in units:
+            fully_shard(model.get_submodule(name), mesh=mesh, **options)
+        self.model = fully_shard(model, mesh=mesh, **options)
+        self.optimizer = optimizer(model.parameters())
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn) -> torch.Tensor:
+        out = self.model(x)
+        loss_fn(out, y).backward()
+        return out.detach()
+
+    def full_gradients(self) -> Tensors:
+        return {n: p.grad.full_tensor() for n, p in self.model.named_parameters() if p.grad is not None}
+
+    def full_parameters(self) -> Tensors:
+        return {n: p.full_tensor() for n, p in self.model.named_parameters()}
 
     def step(self) -> None:
         self.optimizer.step()

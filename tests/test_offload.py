@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from dtcourse import launch
 from dtcourse.models import MLP, regression_batch
 from dtcourse.offload import OffloadedOptimizer
-from dtcourse.parity import Tolerance, check_parity
+from dtcourse.parity import FullyShard, Tolerance, check_parity
 from dtcourse.zero import ZeRO, default_units
 
 SIZES = (6, 10, 12, 7)           # 70, 132 and 91 elements per unit: padded at N = 2, 3, 4 and 5
@@ -38,35 +38,11 @@ def _offloaded(stage, **options):
     return lambda model, group: ZeRO(model, stage, opt, group)
 
 
-class _FSDP2Offload:
-    """FSDP2 with ``CPUOffloadPolicy(pin_memory=False)``: per unit, then the root (parity's protocol)."""
+def _FSDP2Offload(model, group):
+    """FSDP2 with ``CPUOffloadPolicy(pin_memory=False)`` (the default pins, which needs a GPU), per unit then root."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
 
-    def __init__(self, model, group):
-        from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
-
-        mesh, policy = DeviceMesh.from_group(group or dist.group.WORLD, "cpu"), CPUOffloadPolicy(pin_memory=False)
-        for name in default_units(model):
-            fully_shard(model.get_submodule(name), mesh=mesh, offload_policy=policy)
-        self.model = fully_shard(model, mesh=mesh, offload_policy=policy)
-        self.optimizer = adamw(model.parameters())
-
-    def forward_backward(self, x, y, loss_fn):
-        out = self.model(x)
-        loss_fn(out, y).backward()
-        return out.detach()
-
-    def full_gradients(self):
-        return {n: p.grad.full_tensor() for n, p in self.model.named_parameters() if p.grad is not None}
-
-    def full_parameters(self):
-        return {n: p.full_tensor() for n, p in self.model.named_parameters()}
-
-    def step(self):
-        self.optimizer.step()
-
-    def zero_grad(self):
-        self.optimizer.zero_grad(set_to_none=True)
+    return FullyShard(model, group, adamw, default_units(model), offload_policy=CPUOffloadPolicy(pin_memory=False))
 
 
 def _parity(tmp):

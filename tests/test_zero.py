@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from dtcourse import RankError, launch
 from dtcourse.mixed_precision import DynamicLossScaler, Recipe
 from dtcourse.models import GPT, MLP, GPTConfig, lm_loss, regression_batch, token_batch
-from dtcourse.parity import Replicated, Tolerance, check_parity
+from dtcourse.parity import FullyShard, Replicated, Tolerance, check_parity
 from dtcourse.zero import ZeRO, default_units, paper_bytes
 
 SIZES = (6, 10, 12, 7)    # units net.0, net.2, net.4: 70, 132 and 91 elements; at N = 2..5 some need padding
@@ -86,35 +86,9 @@ def test_every_stage_matches_one_process(world_size):
           ", ".join(f"{r.worst('single'):.1e}" for r in reports))
 
 
-class _FSDP2:
-    """``dtcourse.parity``'s protocol for torch's FSDP2: ``fully_shard`` on each unit, then on the root."""
-
-    def __init__(self, model, group, **options):
-        from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = DeviceMesh.from_group(group or dist.group.WORLD, "cpu")
-        for name in default_units(model):
-            fully_shard(model.get_submodule(name), mesh=mesh, **options)
-        self.model = fully_shard(model, mesh=mesh, **options)
-        self.optimizer = adamw(model.parameters())
-
-    def forward_backward(self, x, y, loss_fn):
-        out = self.model(x)
-        loss_fn(out, y).backward()
-        return out.detach()
-
-    def full_gradients(self):
-        return {n: p.grad.full_tensor() for n, p in self.model.named_parameters() if p.grad is not None}
-
-    def full_parameters(self):
-        return {n: p.full_tensor() for n, p in self.model.named_parameters()}
-
-    def step(self):
-        self.optimizer.step()
-
-    def zero_grad(self):
-        self.optimizer.zero_grad(set_to_none=True)
+def _FSDP2(model, group, **options):
+    """PyTorch's FSDP2 on the same units as ZeRO's, through the parity harness's protocol."""
+    return FullyShard(model, group, adamw, default_units(model), **options)
 
 
 def _torch_cases():
