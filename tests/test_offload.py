@@ -160,3 +160,26 @@ def test_the_lesson_problems_agree_with_their_formulas():
                    lab.problem_device_states(2, small), lab.problem_delayed_lag()):
         assert answer.agrees, answer
     assert lab.delayed_lag(steps=4) == [True, True, True]
+
+
+def _mixed():
+    from dtcourse.mixed_precision import Recipe
+
+    found = []
+    for opt in (adamw, functools.partial(OffloadedOptimizer, inner=adamw, tier="disk")):
+        model = ZeRO(MLP(SIZES, seed=0), 3, opt, precision=Recipe(torch.bfloat16), reduce_dtype=torch.float32)
+        for s in range(3):
+            x, y = regression_batch(B // dist.get_world_size(), SIZES[0], SIZES[-1], seed=s + 10 * dist.get_rank())
+            F.mse_loss(model(x), y).backward()
+            model.step()
+            model.zero_grad()
+        found.append((model.full_parameters(), model.memory()))
+    return found
+
+
+def test_offloading_a_bf16_zero_changes_no_bit_and_frees_the_states():
+    (plain, plain_memory), (offloaded, offloaded_memory) = launch(_mixed, 3, timeout=60)[0]
+    assert all(torch.equal(plain[n], offloaded[n]) for n in plain)
+    # what leaves the device: Adam's m and v (and step counts); ZeRO's fp32 master part stays
+    assert plain_memory.optimizer_states - offloaded_memory.optimizer_states >= 2 * offloaded_memory.optimizer_states
+    assert offloaded_memory.optimizer_states == plain_memory.parameters * 2    # the fp32 master of a bf16 part
