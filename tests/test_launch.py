@@ -347,3 +347,17 @@ def test_results_keep_every_tensor_exactly_through_the_out_of_band_encoding():
     assert back["nested"][0][1:] == ("text", 7)
     # a view ships only its own elements, not the whole storage it looks into
     assert len(results.encode(base[0, :2])[2]) == 2 * 8
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_after_a_backward_on_a_gpu_machine_ranks_still_run_backward():
+    """The GPU session of 2026-11-26 found every launch after one backward in the parent failing there."""
+    x = torch.ones(3, device="cuda", requires_grad=True)
+    (2 * x).sum().backward()                     # starts autograd's GPU threads, and initialises CUDA
+
+    def rank():
+        w = torch.ones(2, requires_grad=True)
+        (3 * w).sum().backward()
+        return w.grad.tolist()
+    assert launch(rank, 2, backend="gloo", timeout=120) == [[3.0, 3.0]] * 2

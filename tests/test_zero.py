@@ -380,3 +380,26 @@ def test_bad_input_errors_say_what_to_change():
 def test_a_rank_error_reaches_the_caller():
     with pytest.raises(RankError, match="stage must be"):
         launch(lambda: ZeRO(MLP(SIZES), -1, adamw), 1)
+
+
+def _on_the_gpu():
+    from dtcourse import device
+
+    found = []
+    for stage in range(4):
+        model = ZeRO(MLP(SIZES, seed=0).to(device()), stage, adamw)
+        x, y = (t.to(device()) for t in regression_batch(8, SIZES[0], SIZES[-1]))
+        F.mse_loss(model(x), y).backward()
+        model.step()
+        found.append((model.memory().model_states, {n: t.cpu() for n, t in model.full_parameters().items()}))
+    return found
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_one_gpu_through_nccl_every_stage_holds_the_papers_bytes():
+    psi = sum(p.numel() for p in MLP(SIZES).parameters())
+    found = launch(_on_the_gpu, 1, backend="nccl", timeout=120)[0]
+    for stage, (held, params) in enumerate(found):
+        assert held == paper_bytes(stage, psi, 1, k=8, param_bytes=4, grad_bytes=4) + 4 * len(UNITS)  # + step counts
+        assert all(torch.equal(params[n], found[0][1][n]) for n in params)
