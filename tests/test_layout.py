@@ -48,6 +48,9 @@ LONG_MODULES = {
     "dtcourse/memory.py": "lesson 00's measurement and its formulas (storage bytes, saved tensors by kind, a "
                           "step's held bytes op by op, the optimizer-state table): one concept, each part "
                           "under 80 lines; the @reference marks for exercise 00 took it past 350",
+    "dtcourse/lab/zero.py": "lesson 06's companion: the formulas with K per optimizer, memory by kind measured per "
+                            "rank, bytes sent and the collectives per unit, stage 3's recorded prefetch, FSDP2 "
+                            "parity, the memory widget and four problems; each part under 120 lines",
     "dtcourse/lab/checkpointing.py": "lesson 05's measurements (segment sweep, recomputation policies, fused "
                                      "attention's saved tensors, save_on_cpu), the three figures drawn from "
                                      "them, and its four problems: one lesson's companion, read beside it",
