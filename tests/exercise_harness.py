@@ -50,6 +50,9 @@ EXPECTED = {
     "05_checkpointing_sequential": Expected(
         "Exercise 05: checkpointing sequential", 12, 6,
         frozenset({"check_segments_hidden", "check_gradients_hidden", "check_memory_hidden"})),
+    "06_zero_stage2": Expected(
+        "Exercise 06: zero stage2", 14, 8,
+        frozenset({"check_gradients_hidden", "check_memory_hidden", "check_parity_hidden", "check_traffic_hidden"})),
 }
 
 

@@ -39,6 +39,9 @@ LONG_MODULES = {
     "dtcourse/checks/checkpointing.py": "exercise 05's three graded checks share one set of layers and helpers; "
                                         "the memory check measures and explains four things (held after "
                                         "forward, recomputed once, peak in backward, left after backward)",
+    "dtcourse/checks/zero.py": "exercise 06's four graded checks (gradients, memory, parity, traffic) share one set "
+                               "of cases, one bucket layout and one recorder of every collective's bytes; most of "
+                               "each check is its explanation of what went wrong, by rank, bucket and byte",
     "dtcourse/lab/data_parallel.py": "lesson 02's companion: shards, DDP timelines, pricing the step (fitted link "
                                      "with its fallback, forward-pass collectives, FLOP rate, the GPU case, the "
                                      "bucket figure) and five problems; each part under 120 lines",
