@@ -93,8 +93,17 @@ def test_a_check_refuses_the_reference_itself_passed_by_name():
 
 
 def _ring_of_collectives(x: torch.Tensor, how: str) -> None:
-    saved = {"saved": _SAVED_ALL_REDUCE, "c10d": dist.distributed_c10d.all_reduce, "barrier": dist.barrier}[how]
-    saved(x) if how != "barrier" else saved()
+    n = dist.get_world_size()
+    calls = {"saved": lambda: _SAVED_ALL_REDUCE(x), "c10d": lambda: dist.distributed_c10d.all_reduce(x),
+             "barrier": dist.barrier,
+             # torch 2.13's collectives with methods of their own on the process group
+             "reduce_scatter_single": lambda: dist.reduce_scatter_single(torch.empty(1), torch.ones(n)),
+             "all_gather_single": lambda: dist.all_gather_single(torch.empty(n), torch.ones(1)),
+             "all_to_all_single": lambda: dist.all_to_all_single(torch.empty(n), torch.ones(n))}
+    calls[how]()
+
+
+HOWS = ("saved", "c10d", "barrier", "reduce_scatter_single", "all_gather_single", "all_to_all_single")
 
 
 _SAVED_ALL_REDUCE = dist.all_reduce     # taken before any check starts
@@ -102,7 +111,7 @@ _SAVED_ALL_REDUCE = dist.all_reduce     # taken before any check starts
 
 def _guard_rank() -> dict:
     found = {}
-    for how in ("saved", "c10d", "barrier"):
+    for how in HOWS:
         with watching({"collectives": "01"}, p2p_only=True):
             try:
                 _ring_of_collectives(torch.ones(3), how)
@@ -125,8 +134,8 @@ def _guard_rank() -> dict:
 def test_the_guard_catches_collectives_however_reached_and_records_messages():
     results = launch(_guard_rank, 3)
     for rank, found in enumerate(results):
-        for how in ("saved", "c10d", "barrier"):
-            assert "point-to-point messages only" in found[how], found[how]
+        for how in HOWS:
+            assert "point-to-point messages only" in found[how], (how, found[how])
         assert found["sent"] == [((rank + 1) % 3, 20)] and found["received"] == [((rank - 1) % 3, 20)]
         assert found["after"] == [3.0, 3.0]
 

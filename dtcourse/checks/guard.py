@@ -42,7 +42,10 @@ __all__ = ["Watch", "watching", "COLLECTIVE_METHODS"]
 COLLECTIVE_METHODS = ("allreduce", "allreduce_coalesced", "allgather", "allgather_coalesced", "_allgather_base",
                       "allgather_into_tensor_coalesced", "reduce_scatter", "_reduce_scatter_base",
                       "reduce_scatter_tensor_coalesced", "broadcast", "reduce", "alltoall", "alltoall_base",
-                      "scatter", "gather", "barrier")
+                      "scatter", "gather", "barrier",
+                      # torch 2.13's own methods behind dist.all_gather_single / reduce_scatter_single / ...
+                      "all_gather_single", "all_gather_single_coalesced", "reduce_scatter_single",
+                      "reduce_scatter_single_coalesced", "all_to_all_single")
 
 
 @dataclass
