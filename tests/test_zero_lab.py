@@ -33,8 +33,11 @@ def test_the_paper_case_extrapolates_to_its_published_numbers():
 
 
 def test_measured_model_states_equal_the_formula_on_the_padded_count(runs):
-    assert {(r.world, r.stage, r.optimizer, r.mixed) for r in runs} == {
-        (n, s, o, m) for n in N_MEASURED for s in STAGES for o in ("adam", "sgd_momentum") for m in (True, False)}
+    assert {(r.world, r.stage, r.optimizer, r.mixed, r.offload) for r in runs} == {
+        (n, s, o, m, f) for n in N_MEASURED for s in STAGES for o in ("adam", "sgd_momentum") for m in (True, False)
+        for f in (False, True) if not (m and f)}       # offloaded: fp32 only (see measure_memory)
+    for r in runs:
+        assert (r.optimizer_states == 0) == r.offload      # offloaded, the device keeps no optimizer state
     psi = 630 + 930 + 155
     for r in runs:
         assert r.psi == psi and r.model_states == r.paper, r
@@ -102,9 +105,13 @@ def test_the_memory_widget_draws_the_prediction_and_overlays_measured_runs(runs)
         assert (r.world, r.stage, r.rank) == (4, s, 3)  # the rank holding the padding
         for kind, nbytes in r.by_kind().items():        # drawn in kB
             assert view.bars["measured", s, kind].get_height() == pytest.approx(nbytes / 1e3)
-    box.offload.value = True                            # no measured run offloads: the overlay goes
+    box.offload.value = True                            # no bf16 run offloads: the overlay goes
     assert view.measured == {} and view.bars["predicted", 3, "optimizer states"].get_height() == 0
     assert "offloaded" in view.ax.get_title()
+    box.mixed.value = False                             # fp32 runs with the optimizer on the host come back
+    assert set(view.measured) == set(STAGES) and all(r.offload for r in view.measured.values())
+    assert all(view.bars["measured", s, "optimizer states"].get_height() == 0 for s in STAGES)
+    box.mixed.value = True
     assert view.lines[3].get_linewidth() < view.lines[2].get_linewidth()
 
 

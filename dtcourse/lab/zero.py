@@ -39,6 +39,7 @@ from dtcourse.lab.timeline import timeline_widget
 from dtcourse.lab.widgets import COLUMN_IN, FigureView, figure_widget
 from dtcourse.mixed_precision import Recipe
 from dtcourse.models import MLP, regression_batch
+from dtcourse.offload import OffloadedOptimizer
 from dtcourse.runtime.launch import launch
 from dtcourse.runtime.timeline import Recording, Span, Timeline, merge, shared_origin
 from dtcourse.zero import STAGES, Collective, ZeRO, default_units, paper_bytes
@@ -142,6 +143,7 @@ class RankMemory:
     buckets: int
     padding: int
     activations: int
+    offload: bool = False    # the optimizer on the host (dtcourse.offload): its states leave the device
 
     @property
     def model_states(self) -> int:
@@ -149,7 +151,10 @@ class RankMemory:
 
     @property
     def paper(self) -> float:
-        """The paper's formula on the padded Ψ, plus Adam's 4-byte step counter per unit."""
+        """The paper's formula on the padded Ψ, plus Adam's 4-byte step counter per unit (K = 0 offloaded)."""
+        if self.offload:
+            e = 2 if self.mixed else 4
+            return paper_bytes(self.stage, self.padded, self.world, 0, e, e)
         e, counters = (2 if self.mixed else 4), (4 * self.units if self.optimizer == "adam" else 0)
         return paper_bytes(self.stage, self.padded, self.world, _k(self.optimizer, self.mixed), e, e) + counters
 
@@ -195,28 +200,35 @@ def _step(model: ZeRO, x: torch.Tensor, y: torch.Tensor) -> int:
     return saved.nbytes
 
 
-def _memory_rank(configs: list[tuple[int, str, bool]], sizes: tuple[int, ...], rows: int) -> list[RankMemory]:
+def _memory_rank(configs: list[tuple[int, str, bool, bool]], sizes: tuple[int, ...], rows: int) -> list[RankMemory]:
     world, rank = dist.get_world_size(), dist.get_rank()
     x, y = regression_batch(rows, sizes[0], sizes[-1], seed=rank)
     out = []
-    for stage, optimizer, mixed in configs:
-        model = ZeRO(MLP(sizes, seed=0), stage, OPTIMIZERS[optimizer][2], precision=_recipe(mixed))
+    for stage, optimizer, mixed, offload in configs:
+        make = OPTIMIZERS[optimizer][2]
+        if offload:
+            make = functools.partial(OffloadedOptimizer, inner=make)
+        model = ZeRO(MLP(sizes, seed=0), stage, make, precision=_recipe(mixed))
         _step(model, x, y)                     # the first step creates the optimizer's states
         model.reset_peaks()
         saved = _step(model, x, y)
         m, flats = model.memory(), [f for u in model.units for f in u.flats]
         out.append(RankMemory(world, rank, stage, optimizer, mixed, tuple(sizes), rows, sum(f.numel for f in flats),
                               sum(f.padded for f in flats), len(flats), m.parameters, m.gradients,
-                              m.optimizer_states, m.gathered, m.buckets, m.padding, saved))
+                              m.optimizer_states, m.gathered, m.buckets, m.padding, saved, offload))
     return out
 
 
 def measure_memory(worlds: Sequence[int] = (2, 4), sizes: Sequence[int] = MEMORY_MLP, rows: int = ROWS,
                    optimizers: Sequence[str] = ("adam", "sgd_momentum"), mixed: Sequence[bool] = (True, False),
-                   stages: Sequence[int] = STAGES) -> list[RankMemory]:
+                   stages: Sequence[int] = STAGES, offload: Sequence[bool] = (False, True)) -> list[RankMemory]:
     """Two steps of ``MLP(sizes)`` per stage, optimizer and precision, one launch per world size; every rank's
-    bytes after the second step (peaks of gathered buffers and buckets over that step)."""
-    configs = [(s, o, m) for o in optimizers for m in mixed for s in stages]
+    bytes after the second step (peaks of gathered buffers and buckets over that step).
+
+    ``offload`` also runs fp32 configurations with the optimizer on the host (lesson 07's
+    ``OffloadedOptimizer``); not bf16 ones, where ZeRO keeps its fp32 master on the device and so
+    offloads less than ZeRO-Offload's formula moves."""
+    configs = [(s, o, m, f) for o in optimizers for m in mixed for s in stages for f in offload if not (f and m)]
     return [r for world in worlds for per_rank in launch(_memory_rank, world, configs, tuple(sizes), rows)
             for r in per_rank]
 
@@ -401,16 +413,16 @@ class MemoryView(FigureView):
         self.ax, self.curves = self.figure.subplots(1, 2, width_ratios=(3, 2))
         self.show(75 * 10**8, 64, 2, "adam", True, False)
 
-    def _run(self, psi: int, world: int, stage: int, optimizer: str, mixed: bool) -> RankMemory | None:
-        found = [r for r in self.runs if (r.psi, r.world, r.stage, r.optimizer, r.mixed) ==
-                 (psi, world, stage, optimizer, mixed)]
+    def _run(self, psi: int, world: int, stage: int, optimizer: str, mixed: bool, offload: bool) -> RankMemory | None:
+        found = [r for r in self.runs if (r.psi, r.world, r.stage, r.optimizer, r.mixed, r.offload) ==
+                 (psi, world, stage, optimizer, mixed, offload)]
         return max(found, key=lambda r: (r.model_states, r.rank), default=None)   # the last: it holds the padding
 
     def show(self, psi: int, world: int, stage: int, optimizer: str, mixed: bool, offload: bool) -> None:
         self.state = dict(psi=psi, world=world, stage=stage, optimizer=optimizer, mixed=mixed, offload=offload)
         predicted = {s: predicted_memory(psi, world, s, optimizer, mixed, offload) for s in STAGES}
         self.totals = {s: p.device for s, p in predicted.items()}
-        self.measured = {s: r for s in STAGES if not offload and (r := self._run(psi, world, s, optimizer, mixed))}
+        self.measured = {s: r for s in STAGES if (r := self._run(psi, world, s, optimizer, mixed, offload))}
         top = max([*self.totals.values()] + [sum(r.by_kind().values()) for r in self.measured.values()])
         scale, unit = next(((v, u) for v, u in _SCALES if top >= v), (1, "B"))
         ax, self.bars = self.ax, {}
