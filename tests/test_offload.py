@@ -201,3 +201,13 @@ def test_on_a_gpu_the_host_copies_are_pinned_and_the_steps_match_adamw_on_the_gp
     # the CPU's AdamW and the GPU's round differently (fused or foreach kernels, another order): ulps
     torch.testing.assert_close(offloaded.detach(), plain.detach(), rtol=0, atol=1e-6)
     assert opts[1].stats.down == opts[1].stats.up == 4 * 4000
+
+
+def test_the_benchmark_prints_every_tier_against_the_device(capsys):
+    from dtcourse.bench import offload as bench
+
+    bench.main(["--quick"])
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith(("device ", "host ", "disk "))}
+    assert set(rows) == {"device", "host", "disk"} and rows["device"][-3] == "1.00x"
+    assert "resident: VmRSS between steps" in out
