@@ -4,7 +4,7 @@
     python -m dtcourse.bench.offload --quick          # a smoke test, too few steps to quote
     python -m dtcourse.bench.offload --world-size 4 --stage 3
 
-ZeRO (stage 2 by default) trains an MLP of about 6.3 M parameters (25 MB in fp32) with AdamW three
+ZeRO (stage 2 by default) trains an MLP of 8.4 M parameters (34 MB in fp32) with AdamW three
 ways, each in its own launch so that its resident memory is its own (``dtcourse.lab.offload``): the
 optimizer on the device, on the host (``OffloadedOptimizer(tier="host")``) and on disk
 (``tier="disk"``, ZeRO-Infinity's slower tier; on a CPU-only machine the one where the transfers
@@ -26,7 +26,7 @@ from dtcourse.lab.offload import PARTS, VARIANTS, measure_offload
 
 __all__ = ["main", "BENCH_SIZES"]
 
-BENCH_SIZES = (1024, 2048, 2048, 1024)     # 6.3 M parameters; Adam's m and v: 50 MB in fp32
+BENCH_SIZES = (1024, 2048, 2048, 1024)     # 8.4 M parameters; Adam's m and v: 67 MB in fp32
 
 
 def main(argv: list[str] | None = None) -> None:
