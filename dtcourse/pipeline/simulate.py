@@ -1,0 +1,124 @@
+"""Play a schedule with given times and predict its timeline and bubble, before running it.
+
+Every action starts as soon as its rank is free and its inputs have arrived: the previous stage's
+forward, the next stage's input gradient, plus ``t_comm`` when they come from another rank (sends
+overlap compute, as with asynchronous p2p). SEND/RECV actions take no time of their own::
+
+    pred = simulate(one_f_one_b(4, 8), p=4, m=8)      # t_f = 1, t_b = 2
+    pred.bubble                                       # 0.2727... == bubble_formula("1f1b", 4, 8)
+    pred.timeline[0][0]                               # Span(kind='F', name='0F0', start=0.0, end=1.0)
+
+The bubble is the idle share of the step, the step being the time the last rank finishes:
+1 - busy / (p · step) overall, 1 - busy_r / step on rank r. ``bubble_formula`` gives the papers'
+closed forms for it; the tests check the simulator against every one of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dtcourse.pipeline.actions import COMMUNICATION, Action, Schedule
+from dtcourse.pipeline.validate import validate
+from dtcourse.runtime.timeline import Recording, Span
+
+__all__ = ["Prediction", "simulate", "bubble_formula", "peak_activations"]
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """``timeline``: rank -> compute spans (kind F/B/I/W, name like "2B0"); ``step``: when the last rank ends."""
+
+    timeline: Recording
+    step: float
+    bubble_per_rank: dict[int, float]
+    bubble: float
+
+
+def simulate(schedule: Schedule, p: int, m: int, v: int = 1, t_f: float = 1.0, t_b: float = 2.0,
+             t_w: float | None = None, t_comm: float = 0.0) -> Prediction:
+    """Predict when each action of ``schedule`` runs, with times per stage (one chunk of one rank).
+
+    ``t_b`` is the whole backward; a split one takes I = t_b - t_w and W = t_w (t_w = t_b / 2 unless
+    given). Raises the ``validate`` error for a schedule that cannot run.
+    """
+    validate(schedule, p, m, v)
+    n = p * v
+    t_w = t_b / 2 if t_w is None else t_w
+    if not 0 <= t_w <= t_b:
+        raise ValueError(f"simulate: t_w = {t_w} must lie between 0 and t_b = {t_b} (I = t_b - t_w).")
+    duration = {"F": t_f, "B": t_b, "I": t_b - t_w, "W": t_w}
+    end: dict[Action, float] = {}
+    compute = {r: [a for a in schedule[r] if a.kind not in COMMUNICATION] for r in range(p)}
+
+    def inputs(a: Action) -> list[Action]:                   # what ``a`` waits for (see validate.needs)
+        s, j = a.stage, a.microbatch
+        if a.kind == "F":
+            return [Action(s - 1, "F", j)] if s > 0 else []
+        if a.kind == "W":
+            return [Action(s, "I", j)]
+        later = [Action(s + 1, "B", j), Action(s + 1, "I", j)] if s < n - 1 else []
+        return [Action(s, "F", j)] + [x for x in later if x in present]
+
+    present = {a for r in range(p) for a in compute[r]}
+    timeline: Recording = {r: [] for r in range(p)}
+    free = {r: 0.0 for r in range(p)}
+    pos = {r: 0 for r in range(p)}
+    while any(pos[r] < len(compute[r]) for r in range(p)):
+        for r in range(p):                                   # validate() ruled out a stall
+            while pos[r] < len(compute[r]) and all(d in end for d in inputs(compute[r][pos[r]])):
+                a = compute[r][pos[r]]
+                ready = [end[d] + (t_comm if d.stage % p != r else 0.0) for d in inputs(a)]
+                start = max([free[r]] + ready)
+                end[a] = free[r] = start + duration[a.kind]
+                timeline[r].append(Span(a.kind, str(a), start, end[a]))
+                pos[r] += 1
+    step = max(free.values())
+    busy = {r: sum(s.duration for s in timeline[r]) for r in range(p)}
+    return Prediction(timeline, step, {r: 1 - busy[r] / step for r in range(p)},
+                      1 - sum(busy.values()) / (p * step))
+
+
+def bubble_formula(schedule_name: str, p: int, m: int, v: int = 1) -> float:
+    """The idle share of a step from the papers, for t_b = 2 t_f (any ratio, but for ZB-H1).
+
+    * naive, GPipe, 1F1B (arXiv 1811.06965, 2104.04473): each rank idles (p-1)(t_f + t_b) of a step of
+      (m + p - 1)(t_f + t_b): ``(p-1)/(m+p-1)``; naive is m = 1: ``(p-1)/p``.
+    * interleaved 1F1B (arXiv 2104.04473, section 2.2.2): the fill and drain go through chunks
+      1/v as long, so the idle time is (p-1)(t_f + t_b)/v beside m(t_f + t_b) of work:
+      ``(p-1)/(v·m + p-1)`` (m a multiple of p).
+    * ZB-H1 (arXiv 2401.10241, section 3.1) with t_f = t_i = t_w as the paper assumes: the idle time
+      falls to (p-1)(t_f + t_i - t_w) = (p-1)·t_f beside 3m·t_f of work: ``(p-1)/(3m+p-1)``, a
+      third of 1F1B's relative to the work. For m < p the last rank has only m W's where the drain
+      needs p, so it idles p - m more: ``(2p-1-m)/(2m+2p-1)`` (derived here, checked by the simulator).
+    """
+    if schedule_name == "naive":
+        return (p - 1) / p
+    if schedule_name in ("gpipe", "1f1b"):
+        return (p - 1) / (m + p - 1)
+    if schedule_name == "interleaved_1f1b":
+        return (p - 1) / (v * m + p - 1)
+    if schedule_name == "zb_h1":
+        idle = (p - 1) + max(0, p - m)                    # in units of t_f = t_i = t_w
+        return idle / (3 * m + idle)
+    raise ValueError(f"bubble_formula: unknown schedule {schedule_name!r}; "
+                     "use naive, gpipe, 1f1b, interleaved_1f1b or zb_h1.")
+
+
+def peak_activations(schedule: Schedule, p: int) -> dict[int, int]:
+    """Per rank, the most micro-batch-stages whose activations are held at once (F run, last backward not).
+
+    ``peak_activations(gpipe(4, 8), 4)[0] == 8`` but ``peak_activations(one_f_one_b(4, 8), 4)[0] == 4``.
+    Activations are freed by B, or by W when the backward is split (W still needs the layer inputs).
+    """
+    peak = {}
+    for r in range(p):
+        split = {(a.stage, a.microbatch) for a in schedule[r] if a.kind == "W"}
+        held = most = 0
+        for a in schedule[r]:
+            if a.kind == "F":
+                held += 1
+                most = max(most, held)
+            elif a.kind == "W" or (a.kind == "B" and (a.stage, a.microbatch) not in split):
+                held -= 1
+        peak[r] = most
+    return peak
