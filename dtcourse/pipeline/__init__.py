@@ -4,13 +4,22 @@
 * ``schedules.py``: naive, GPipe, 1F1B, interleaved 1F1B and ZB-H1 orders per rank; ``with_communication``.
 * ``validate.py``: ``validate``, a schedule checked for order, completeness, matched messages and deadlock.
 * ``simulate.py``: ``simulate``, a predicted timeline and bubble; ``bubble_formula``; ``peak_activations``.
+* ``partition.py``: ``balanced_partition`` and ``split_gpt``, a GPT cut into p·v stages of contiguous blocks.
+* ``execute.py``: ``PipelineExecutor`` / ``run_schedule``, one rank's actions run on real ranks, every one timed.
+* ``trace.py``: ``chrome_trace`` / ``write_chrome_trace``, recorded spans for Perfetto and chrome://tracing.
 """
 
 from dtcourse.pipeline.actions import COMMUNICATION, COMPUTE, KINDS, Action, Schedule
 from dtcourse.pipeline.schedules import SCHEDULES, gpipe, interleaved_1f1b, naive, one_f_one_b, with_communication, zb_h1
 from dtcourse.pipeline.simulate import Prediction, bubble_formula, peak_activations, simulate
 from dtcourse.pipeline.validate import validate
+from dtcourse.pipeline.partition import GPTStage, balanced_partition, gpt_boundary_shape, split_gpt, stages_of_rank
+from dtcourse.pipeline.execute import PipelineExecutor, PipelineParallel, add_communication, run_schedule
+from dtcourse.pipeline.trace import chrome_trace, write_chrome_trace
 
 __all__ = ["Action", "Schedule", "COMPUTE", "COMMUNICATION", "KINDS"]
 __all__ += ["naive", "gpipe", "one_f_one_b", "interleaved_1f1b", "zb_h1", "with_communication", "SCHEDULES"]
 __all__ += ["validate", "simulate", "Prediction", "bubble_formula", "peak_activations"]
+__all__ += ["balanced_partition", "split_gpt", "GPTStage", "gpt_boundary_shape", "stages_of_rank"]
+__all__ += ["PipelineExecutor", "PipelineParallel", "run_schedule", "add_communication"]
+__all__ += ["chrome_trace", "write_chrome_trace"]

@@ -1,0 +1,334 @@
+"""Run one rank's list of pipeline actions on real ranks: forwards, backwards, and the traffic between stages.
+
+A schedule is data (``dtcourse.pipeline.actions``); this module is the engine that executes it, as
+DeepSpeed's pipeline engine executes its instructions. Each rank holds its stages (``partition.py``) and
+walks its own list once per training step:
+
+* ``F`` runs the stage on micro-batch j and keeps its input and output for the backward. On the last
+  stage it also computes the loss, scaled by rows_j / B (1/m for equal micro-batches), so the m losses
+  add up to the mean over the global batch and the gradients equal one process's on the whole batch.
+* ``B`` backpropagates through the stage: weight gradients accumulate in ``.grad``, and the gradient of
+  the stage's input is what the previous stage needs.
+* ``I`` and ``W`` are zero-bubble's split of ``B`` (Qi et al., arXiv 2401.10241): ``I`` is
+  ``torch.autograd.grad`` with respect to the input only (keeping the graph), ``W`` with respect to the
+  parameters, added to ``.grad``. ``W`` may run any time before the step, so a schedule fills bubbles
+  with it. (Here ``W`` backpropagates again through the stage's activations; the paper's implementation
+  keeps the activation gradients ``I`` found instead.)
+* ``SEND_F`` / ``RECV_F`` / ``SEND_B`` / ``RECV_B`` move an activation or a gradient to the neighbouring
+  stage's rank. Consecutive ones are posted together with ``dist.batch_isend_irecv``; a receive is
+  waited for only by the compute that needs it, and sends only at the end of the list, so a rank never
+  blocks on a message before it has posted its own. A list without any is given them by
+  ``add_communication``: each receive just before its compute, each send just after.
+
+Every action is a span of ``self.timeline`` (``dtcourse.runtime.timeline``), so the bubble is measured on
+the real run; ``peak_held`` counts the micro-batches whose activations each stage held at once (m for
+GPipe, p - r on rank r for 1F1B). Example, on every rank under ``dtcourse.launch``::
+
+    ex = PipelineExecutor({r: split_gpt(model, p)[r]}, p, gpt_boundary_shape(model))
+    logits = run_schedule(ex, actions_of_this_rank, idx, targets, lm_loss, 4, optimizer)
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from dtcourse.pipeline.actions import Action
+from dtcourse.pipeline.partition import rank_of_stage
+from dtcourse.runtime.timeline import Timeline
+
+__all__ = ["PipelineExecutor", "PipelineParallel", "run_schedule", "add_communication", "SPAN_KINDS"]
+
+SPAN_KINDS = {"F": "forward", "B": "backward", "I": "backward_input", "W": "backward_weight",
+              "SEND_F": "send", "SEND_B": "send", "RECV_F": "recv", "RECV_B": "recv", "wait": "wait"}
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+BoundaryShape = Callable[[int, torch.Tensor], Sequence[int]]   # (stage, micro-batch input) -> its input's shape
+
+
+def add_communication(actions: Sequence[Action], n_ranks: int, n_stages: int) -> list[Action]:
+    """``actions`` with a receive before and a send after each compute that needs one, if it has none.
+
+    ``[0F0, 0B0]`` on stage 0 of 2 becomes ``[0F0, 0SEND_F0, 0RECV_B0, 0B0]``. Lists that already hold
+    communication, and single-rank pipelines (their stages hand over locally), are returned unchanged.
+    """
+    if n_ranks == 1 or any(not a.is_compute for a in actions):
+        return list(actions)
+    out: list[Action] = []
+    for a in actions:
+        s, j, last = a.stage, a.microbatch, a.stage == n_stages - 1
+        out += [Action(s, "RECV_F", j)] * (a.kind == "F" and s > 0)
+        out += [Action(s, "RECV_B", j)] * (a.kind in ("B", "I") and not last)
+        out.append(a)
+        out += [Action(s, "SEND_F", j)] * (a.kind == "F" and not last)
+        out += [Action(s, "SEND_B", j)] * (a.kind in ("B", "I") and s > 0)
+    return out
+
+
+@dataclass
+class _Held:
+    """What a stage keeps of one micro-batch from its forward to its (last) backward."""
+
+    x: torch.Tensor              # the stage's input (a leaf that requires grad, after stage 0)
+    root: torch.Tensor           # its output, or on the last stage its scaled loss
+    grad: torch.Tensor | None    # d loss / d root: received from the next stage; None for the loss
+    input_done: bool = False     # I ran: W may follow
+
+
+class PipelineExecutor:
+    """Runs this rank's actions for ``stages`` (stage index -> module), ``n_stages`` in all, on ``group``.
+
+    ``boundary_shape(s, x_j)`` is the shape of stage s's input (s > 0) for micro-batch input ``x_j``:
+    receive buffers are allocated with it and every sent activation is checked against it.
+    """
+
+    def __init__(self, stages: Mapping[int, nn.Module], n_stages: int, boundary_shape: BoundaryShape, *,
+                 group: dist.ProcessGroup | None = None, timeline: Timeline | None = None,
+                 dtype: torch.dtype = torch.float32):
+        on = dist.is_initialized()
+        self.rank, self.n_ranks = (dist.get_rank(group), dist.get_world_size(group)) if on else (0, 1)
+        wrong = [s for s in stages if not 0 <= s < n_stages or rank_of_stage(s, self.n_ranks) != self.rank]
+        if wrong or not stages:
+            raise ValueError(f"PipelineExecutor: rank {self.rank} of {self.n_ranks} holds stages "
+                             f"{list(range(self.rank, n_stages, self.n_ranks))} of {n_stages}, got {sorted(stages)}; "
+                             "give each rank r the stages r, r + p, ... (partition.stages_of_rank).")
+        self.stages, self.n_stages, self.boundary_shape = dict(stages), n_stages, boundary_shape
+        self.group, self.dtype = group, dtype
+        self.timeline = Timeline() if timeline is None else timeline
+        self.peak_held: dict[int, int] = {}    # stage -> most micro-batches held at once in the last run
+        self.peak_held_rank = 0                # the same, summed over this rank's stages
+        self.loss = 0.0                        # the last run's global-batch loss (on the last stage's rank)
+
+    # ------------------------------------------------------------------ one run of the list
+    def run(self, actions: Sequence[Action], x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn,
+            n_microbatches: int) -> torch.Tensor | None:
+        """Run the list on the global batch ``(x, y)`` cut into ``n_microbatches``; the last stage's outputs or None."""
+        if not 1 <= n_microbatches <= x.shape[0]:
+            raise ValueError(f"PipelineExecutor.run: {n_microbatches} micro-batches of a {x.shape[0]}-row batch; "
+                             f"use between 1 and {x.shape[0]}.")
+        alien = [str(a) for a in actions if a.stage not in self.stages or a.microbatch >= n_microbatches]
+        if alien:
+            raise ValueError(f"rank {self.rank}'s list names {alien[:4]}, but it holds stages {sorted(self.stages)} "
+                             f"and there are {n_microbatches} micro-batches: give it only its own stages' actions.")
+        self.m, self.rows, self.loss_fn = n_microbatches, x.shape[0], loss_fn
+        self.xs, self.ys = x.tensor_split(n_microbatches), y.tensor_split(n_microbatches)
+        self.held: dict[tuple[int, int], _Held] = {}
+        self.inbox: dict[tuple[str, int, int], tuple[torch.Tensor, list]] = {}   # (F|B, stage, j) -> (tensor, works)
+        self.outbox: dict[tuple[str, int, int], torch.Tensor] = {}              # computed, not yet sent
+        self.sends: list = []                                                   # (work, tensor) to finish
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.count, self.peak_held, self.peak_held_rank, self.loss = {s: 0 for s in self.stages}, {}, 0, 0.0
+        todo = add_communication(actions, self.n_ranks, self.n_stages)
+        batch: list[Action] = []
+        for a in todo:
+            if not a.is_compute:
+                batch.append(a)              # posted together, just before the next compute
+                continue
+            self._post(batch)
+            batch = []
+            getattr(self, f"_{a.kind}")(a)
+        self._post(batch)
+        for work, _ in self.sends:           # the tensor stays referenced until its send is done
+            work.wait()
+        self._check_finished()
+        last = self.n_stages - 1
+        return torch.cat([self.outputs[j] for j in range(self.m)]) if last in self.stages else None
+
+    def _check_finished(self) -> None:
+        problems = [f"stage {s} still holds micro-batch {j} (no B, or no W after its I)" for s, j in self.held]
+        problems += [f"{k}{s}{j} arrived but nothing used it" for k, s, j in self.inbox]
+        problems += [f"stage {s}'s {'activation' if k == 'F' else 'gradient'} of micro-batch {j} was never sent"
+                     for k, s, j in self.outbox]
+        if problems:
+            raise RuntimeError(f"rank {self.rank}'s list ended with work left: " + "; ".join(problems[:4]) +
+                               ". Every F needs a later B (or I then W), and every SEND its RECV on the other rank.")
+
+    # ------------------------------------------------------------------ compute
+    def _F(self, a: Action) -> None:
+        s, j = a.stage, a.microbatch
+        x = self.xs[j] if s == 0 else self._take("F", a).requires_grad_(True)
+        with self.timeline.span(SPAN_KINDS["F"], str(a)):
+            out = self.stages[s](x)
+            if s == self.n_stages - 1:   # loss per micro-batch, scaled so that the m of them sum to the batch mean
+                root = self.loss_fn(out, self.ys[j]) * (self.xs[j].shape[0] / self.rows)
+                self.outputs[j], self.loss = out.detach(), self.loss + root.item()
+            else:
+                root = out
+                self._check_shape(s, j, out)
+                self._hand_over("F", s + 1, s, j, out.detach())
+        self.held[(s, j)] = _Held(x, root, None)
+        self.count[s] += 1
+        self.peak_held[s] = max(self.peak_held.get(s, 0), self.count[s])
+        self.peak_held_rank = max(self.peak_held_rank, sum(self.count.values()))
+
+    def _B(self, a: Action) -> None:
+        s, j = a.stage, a.microbatch
+        held = self._pop_held(a)
+        grad = None if s == self.n_stages - 1 else self._take("B", a)
+        with self.timeline.span(SPAN_KINDS["B"], str(a)):
+            torch.autograd.backward(held.root, grad)     # weight gradients accumulate into .grad
+        if s > 0:
+            self._hand_over("B", s - 1, s, j, held.x.grad)
+        self.count[s] -= 1
+
+    def _I(self, a: Action) -> None:
+        s, j = a.stage, a.microbatch
+        held = self.held.get((s, j))
+        if held is None or held.input_done:
+            raise RuntimeError(f"rank {self.rank}: {a} needs {s}F{j} before it, and no other I for it.")
+        held.grad = None if s == self.n_stages - 1 else self._take("B", a)
+        with self.timeline.span(SPAN_KINDS["I"], str(a)):
+            if s > 0:        # stage 0's input is token ids: there is no input gradient to compute
+                (dx,) = torch.autograd.grad(held.root, [held.x], held.grad, retain_graph=True)   # W needs the graph
+        if s > 0:
+            self._hand_over("B", s - 1, s, j, dx)
+        held.input_done = True
+
+    def _W(self, a: Action) -> None:
+        held = self._pop_held(a)
+        if not held.input_done:
+            raise RuntimeError(f"rank {self.rank}: {a} runs before {a.stage}I{a.microbatch}; "
+                               "put the I (input gradient) first, or use one B for both.")
+        params = [p for p in self.stages[a.stage].parameters() if p.requires_grad]
+        with self.timeline.span(SPAN_KINDS["W"], str(a)):
+            grads = torch.autograd.grad(held.root, params, held.grad, allow_unused=True)   # frees the graph
+            for p, g in zip(params, grads):
+                if g is not None:
+                    p.grad = g if p.grad is None else p.grad.add_(g)
+        self.count[a.stage] -= 1
+
+    def _pop_held(self, a: Action) -> _Held:
+        held = self.held.pop((a.stage, a.microbatch), None)
+        if held is None:
+            raise RuntimeError(f"rank {self.rank}: {a} has no forward to go back through; put "
+                               f"{a.stage}F{a.microbatch} before it, once.")
+        return held
+
+    def _check_shape(self, s: int, j: int, out: torch.Tensor) -> None:
+        want = tuple(self.boundary_shape(s + 1, self.xs[j]))
+        if tuple(out.shape) != want or out.dtype != self.dtype:
+            raise ValueError(f"stage {s}'s output for micro-batch {j} is {tuple(out.shape)} {out.dtype}, but stage "
+                             f"{s + 1} expects {want} {self.dtype}: cut the model where one stage's output is what the "
+                             "next one takes, or make boundary_shape (and dtype) describe that activation.")
+
+    # ------------------------------------------------------------------ communication
+    def _tag(self, kind: str, boundary: int, j: int) -> int:
+        """One tag per message of a run: activations and gradients crossing boundary b (stage b to b + 1)."""
+        return 2 * (boundary * self.m + j) + (kind == "B")
+
+    def _hand_over(self, kind: str, to: int, s: int, j: int, t: torch.Tensor) -> None:
+        """A computed activation (to stage s+1) or input gradient (to s-1): to the local inbox, or to send."""
+        if to in self.stages:
+            self.inbox[(kind, to, j)] = (t, [])
+        else:
+            self.outbox[(kind, s, j)] = t
+
+    def _post(self, batch: list[Action]) -> None:
+        """Post a run of consecutive SEND/RECV actions as one ``batch_isend_irecv``."""
+        ops, receives = [], []
+        for a in batch:
+            s, j, kind = a.stage, a.microbatch, a.kind[-1]        # kind: "F" (activation) or "B" (gradient)
+            peer = s + 1 if a.kind in ("SEND_F", "RECV_B") else s - 1
+            if not 0 <= peer < self.n_stages:
+                raise ValueError(f"rank {self.rank}: {a} goes to stage {peer}, which does not exist.")
+            if peer in self.stages:                               # same rank: _hand_over already delivered it
+                continue
+            boundary = min(s, peer)
+            if a.kind.startswith("SEND"):
+                t = self.outbox.pop((kind, s, j), None)
+                if t is None:
+                    raise RuntimeError(f"rank {self.rank}: {a} before the compute that produces it "
+                                       f"({s}{'F' if kind == 'F' else 'B or I'}{j}); move it after that.")
+                ops.append(dist.P2POp(dist.isend, t, group=self.group, group_peer=rank_of_stage(peer, self.n_ranks),
+                                      tag=self._tag(kind, boundary, j)))
+            else:
+                shape = self.boundary_shape(max(s, peer), self.xs[j])   # the input of the later stage
+                t = torch.empty(tuple(shape), dtype=self.dtype, device=self._device(s))
+                ops.append(dist.P2POp(dist.irecv, t, group=self.group, group_peer=rank_of_stage(peer, self.n_ranks),
+                                      tag=self._tag(kind, boundary, j)))
+                receives.append(((kind, s, j), len(ops) - 1))
+        if not ops:
+            return
+        start = time.perf_counter()
+        works = dist.batch_isend_irecv(ops)       # each op moves prod(shape) * 4 bytes (float32)
+        end = time.perf_counter()
+        for a in batch:                           # posting is all the batch's actions take on this rank
+            self.timeline.record(SPAN_KINDS[a.kind], str(a), start, end)
+        each = len(works) == len(ops)              # one work per op, or one for the whole batch
+        for i, op in enumerate(ops):
+            if op.op is dist.isend:
+                self.sends += [(w, op.tensor) for w in ([works[i]] if each else works)]
+        for key, i in receives:
+            self.inbox[key] = (ops[i].tensor, [works[i]] if each else list(works))
+
+    def _take(self, kind: str, a: Action) -> torch.Tensor:
+        """The activation (kind F) or gradient (B) that action ``a`` consumes, waiting for it if in flight."""
+        found = self.inbox.pop((kind, a.stage, a.microbatch), None)
+        if found is None:
+            what = f"{a.stage}RECV_F{a.microbatch}" if kind == "F" else f"{a.stage}RECV_B{a.microbatch}"
+            raise RuntimeError(f"rank {self.rank}: {a} needs data that never arrived; put {what} before it "
+                               "(and the matching SEND on the neighbouring stage's rank).")
+        t, works = found
+        if works:
+            with self.timeline.span(SPAN_KINDS["wait"], f"wait {a}"):
+                for w in works:
+                    w.wait()
+        return t
+
+    def _device(self, s: int) -> torch.device:
+        p = next(self.stages[s].parameters(), None)
+        return p.device if p is not None else torch.device("cpu")
+
+
+def run_schedule(executor: PipelineExecutor, actions: Sequence[Action], x: torch.Tensor, y: torch.Tensor,
+                 loss_fn: LossFn, n_microbatches: int, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
+    """One training step: clear the gradients, run this rank's ``actions``, then the optimizer's step."""
+    optimizer.zero_grad(set_to_none=True)
+    out = executor.run(actions, x, y, loss_fn, n_microbatches)
+    with executor.timeline.span("optimizer", "step"):
+        optimizer.step()
+    return out
+
+
+class PipelineParallel:
+    """``dtcourse.parity.Parallel`` for a pipeline: this rank's ``stages``, its ``actions``, ``n_microbatches``.
+
+    Stage modules must keep the plain model's parameter names (``GPTStage`` does); ``full_gradients`` and
+    ``full_parameters`` gather every stage's to every rank. Other arguments go to ``PipelineExecutor``.
+    """
+
+    def __init__(self, stages: Mapping[int, nn.Module], n_stages: int, actions: Sequence[Action],
+                 n_microbatches: int, optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
+                 boundary_shape: BoundaryShape, **options):
+        self.executor = PipelineExecutor(stages, n_stages, boundary_shape, **options)
+        self.actions, self.m = list(actions), n_microbatches
+        self.optimizer = optimizer([p for stage in stages.values() for p in stage.parameters()])
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn) -> torch.Tensor | None:
+        return self.executor.run(self.actions, x, y, loss_fn, self.m)
+
+    def _named(self, grads: bool) -> dict[str, torch.Tensor]:
+        mine = {n: (p.grad if grads else p).detach().cpu() for stage in self.executor.stages.values()
+                for n, p in stage.named_parameters() if not grads or p.grad is not None}
+        if self.executor.n_ranks == 1:
+            return mine
+        everyone: list = [None] * self.executor.n_ranks
+        dist.all_gather_object(everyone, mine, group=self.executor.group)   # every rank gets every stage's, pickled
+        return {n: t for part in everyone for n, t in part.items()}
+
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        return self._named(grads=True)
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        return self._named(grads=False)
+
+    def step(self) -> None:
+        with self.executor.timeline.span("optimizer", "step"):
+            self.optimizer.step()
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)

@@ -1,0 +1,245 @@
+"""Pipeline parallelism (``dtcourse.pipeline``): the partition, the executor against one process, the
+micro-batches each stage holds, the errors, and the Chrome trace of a real run.
+
+The schedules here are written by hand (GPipe, 1F1B, a zero-bubble-style split backward, a looped
+two-chunk order), so the executor is tested on its own; ``test_generated_schedules_match_one_process``
+runs ``dtcourse.pipeline.schedules``'s generators through it when that module is there.
+Parity goes through ``dtcourse.parity.check_parity``: every strategy of one world size trains side by
+side, in one launch, against one process on the whole batch. ``pytest -s`` prints the largest differences.
+"""
+
+import functools
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+
+from dtcourse import launch
+from dtcourse.models import GPT, GPTConfig, lm_loss, token_batch
+from dtcourse.parity import Tolerance, check_parity, whole_batch
+from dtcourse.pipeline import Action, schedules, validate
+from dtcourse.pipeline.execute import PipelineExecutor, PipelineParallel, add_communication, run_schedule
+from dtcourse.pipeline.simulate import peak_activations
+from dtcourse.pipeline.partition import balanced_partition, gpt_boundary_shape, split_gpt, stages_of_rank
+from dtcourse.pipeline.trace import chrome_trace, write_chrome_trace
+from dtcourse.runtime.timeline import Timeline, merge, shared_origin
+
+CFG = GPTConfig(vocab_size=32, block_size=8, n_layer=5, n_head=2, d_model=16)   # 5 layers: p = 2, 3 cut unevenly
+B, STEPS = 6, 3             # 6 rows: m = 5 cuts them 2, 1, 1, 1, 1 (micro-batches of unequal size)
+adamw = functools.partial(torch.optim.AdamW, lr=1e-3)
+ONE_PROCESS = Tolerance(1e-5, 0, (
+    "the last stage adds m micro-batch losses, each scaled by rows_j / B, where one process takes one mean "
+    "over B*T tokens, and every weight gradient is a sum of m micro-batch gradients: the same numbers "
+    "added in another order, a few ulps of float32. AdamW's early steps are about lr * g / |g|, so where "
+    "g nearly cancels those ulps move a parameter by more; 1e-5 is lr/100"))
+
+
+# --------------------------------------------------------------------------- hand-written schedules
+def F(s, j): return Action(s, "F", j)
+def Bk(s, j): return Action(s, "B", j)
+
+
+def gpipe(p, m):
+    """All forwards, then all backwards (Huang et al., arXiv 1811.06965)."""
+    return {r: [F(r, j) for j in range(m)] + [Bk(r, j) for j in range(m)] for r in range(p)}
+
+
+def one_f_one_b(p, m, backward=lambda s, j: [Bk(s, j)]):
+    """p - 1 - r warm-up forwards, then one forward and one backward in turn, then the remaining backwards."""
+    out = {}
+    for r in range(p):
+        warm = min(p - 1 - r, m)
+        acts = [F(r, j) for j in range(warm)]
+        for i in range(m - warm):
+            acts += [F(r, warm + i)] + backward(r, i)
+        for i in range(m - warm, m):
+            acts += backward(r, i)
+        out[r] = acts
+    return out
+
+
+def zero_bubble(p, m):
+    """1F1B with each B split into I (input gradient, at B's place) and W (weight gradient), W deferred to the end."""
+    sched = one_f_one_b(p, m, backward=lambda s, j: [Action(s, "I", j)])
+    return {r: acts + [Action(r, "W", j) for j in range(m)] for r, acts in sched.items()}
+
+
+def looped(p, m, v):
+    """v chunks per rank (stages r, r + p, ...): each chunk's forwards in turn, then backwards in reverse."""
+    return {r: [F(s, j) for s in stages_of_rank(r, p, v) for j in range(m)] +
+               [Bk(s, j) for s in reversed(stages_of_rank(r, p, v)) for j in range(m)] for r in range(p)}
+
+
+def _pipeline(schedule, m, v=1):
+    """A ``check_parity`` strategy: cut the model into p·v stages and keep this rank's."""
+    def shard(model, group):
+        import torch.distributed as dist
+        rank, p = dist.get_rank(group), dist.get_world_size(group)
+        stages = split_gpt(model, p * v)
+        return PipelineParallel({s: stages[s] for s in stages_of_rank(rank, p, v)}, p * v, schedule[rank], m,
+                                adamw, gpt_boundary_shape(model), group=group)
+    return shard
+
+
+def _batches():
+    return [token_batch(CFG, B, seed=s) for s in range(STEPS)]
+
+
+def _parity(strategies):
+    return check_parity(lambda: GPT(CFG, seed=0), strategies, _batches(), lm_loss, adamw, tolerance=ONE_PROCESS,
+                        split=whole_batch)   # pipeline ranks split the model, not the batch
+
+
+@pytest.mark.parametrize("p", [2, 3])
+def test_hand_written_schedules_are_valid(p):
+    for m in (1, 3, 5):
+        for make in (gpipe, one_f_one_b, zero_bubble):
+            validate(make(p, m), p, m)
+    validate(looped(p, 3, 2), p, 3, 2)
+
+
+# --------------------------------------------------------------------------- partition
+def test_balanced_partition_is_contiguous_and_even():
+    assert balanced_partition(5, 2) == [(0, 3), (3, 5)]
+    assert balanced_partition(5, 3) == [(0, 2), (2, 4), (4, 5)]
+    assert balanced_partition(4, 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    for n, s in [(7, 3), (12, 5), (5, 5)]:
+        parts = balanced_partition(n, s)
+        sizes = [e - b for b, e in parts]
+        assert parts[0][0] == 0 and parts[-1][1] == n and all(a[1] == b[0] for a, b in zip(parts, parts[1:]))
+        assert max(sizes) - min(sizes) <= 1
+
+
+def test_more_stages_than_layers_says_what_to_change():
+    with pytest.raises(ValueError, match="use at most 3 stages"):
+        balanced_partition(3, 4)
+    with pytest.raises(ValueError, match="at most 5 stages"):
+        split_gpt(GPT(CFG), 6)
+
+
+@pytest.mark.parametrize("n_stages", [1, 2, 4, 5])
+def test_stages_chained_are_the_model(n_stages):
+    model = GPT(CFG, seed=0)
+    stages = split_gpt(model, n_stages)
+    idx, _ = token_batch(CFG, 3)
+    x = idx
+    for stage in stages:
+        x = stage(x)
+    assert torch.equal(x, model(idx))          # the same modules, the same operations: bit for bit
+    names = [n for st in stages for n, _ in st.named_parameters()]
+    assert sorted(names) == sorted(n for n, _ in model.named_parameters())   # the GPT's names, each once
+
+
+# --------------------------------------------------------------------------- executor in one process
+def test_one_rank_holding_every_stage_matches_the_model():
+    """p = 1, v = 3: stages hand over locally; gradients against one backward of the whole batch."""
+    model, ref = GPT(CFG, seed=0), GPT(CFG, seed=0)
+    stages = split_gpt(model, 3)
+    ex = PipelineExecutor(dict(enumerate(stages)), 3, gpt_boundary_shape(model))
+    idx, targets = token_batch(CFG, B)
+    acts = [F(s, j) for j in range(4) for s in range(3)] + [Bk(s, j) for j in range(4) for s in (2, 1, 0)]
+    out = ex.run(acts, idx, targets, lm_loss, 4)
+    lm_loss(ref(idx), targets).backward()
+    assert torch.allclose(out, ref(idx), atol=1e-6)
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert torch.allclose(p.grad, q.grad, atol=1e-6, rtol=0), n   # four micro-batch sums: ulps
+    assert ex.peak_held == {0: 4, 1: 4, 2: 4}
+
+
+def test_shape_mismatch_says_what_to_change():
+    stages = {0: nn.Linear(4, 6), 1: nn.Linear(5, 3)}
+    ex = PipelineExecutor(stages, 2, lambda s, x: (x.shape[0], 5))
+    x, y = torch.randn(4, 4), torch.randn(4, 3)
+    with pytest.raises(ValueError, match=r"stage 0's output for micro-batch 0 is \(2, 6\).*stage 1 expects \(2, 5\)"):
+        ex.run([F(0, 0), F(1, 0)], x, y, nn.functional.mse_loss, 2)
+
+
+def test_incomplete_lists_are_refused():
+    model = GPT(CFG, seed=0)
+    ex = PipelineExecutor(dict(enumerate(split_gpt(model, 2))), 2, gpt_boundary_shape(model))
+    idx, targets = token_batch(CFG, 2)
+    with pytest.raises(RuntimeError, match="still holds micro-batch 0"):
+        ex.run([F(0, 0), F(1, 0)], idx, targets, lm_loss, 1)
+    with pytest.raises(RuntimeError, match="runs before 1I0"):
+        ex.run([F(0, 0), F(1, 0), Action(1, "W", 0)], idx, targets, lm_loss, 1)
+
+
+def test_add_communication_puts_receives_before_and_sends_after():
+    acts = add_communication(one_f_one_b(2, 2)[0], 2, 2)
+    assert list(map(str, acts)) == ["0F0", "0SEND_F0", "0F1", "0SEND_F1", "0RECV_B0", "0B0", "0RECV_B1", "0B1"]
+    acts = add_communication(zero_bubble(2, 1)[1], 2, 2)
+    assert list(map(str, acts)) == ["1RECV_F0", "1F0", "1I0", "1SEND_B0", "1W0"]
+
+
+# --------------------------------------------------------------------------- parity on real ranks
+def _parity_cases(p):
+    strategies = {f"{name} m={m}": _pipeline(make(p, m), m) for name, make in [("gpipe", gpipe), ("1f1b", one_f_one_b)]
+                  for m in (1, 3, 5)}
+    strategies["zero-bubble m=3"] = _pipeline(zero_bubble(p, 3), 3)
+    if p == 2:
+        strategies["looped v=2 m=3"] = _pipeline(looped(p, 3, 2), 3, v=2)   # 4 stages of 2, 1, 1, 1 layers
+    return _parity(strategies)
+
+
+@pytest.mark.parametrize("p", [2, 3])
+def test_schedules_match_one_process(p):
+    report = launch(_parity_cases, p, p, timeout=120)[0]   # check_parity raised in the ranks if not
+    assert report.steps == STEPS and report.worst("ranks") == 0.0
+    print(f"p={p}: largest difference vs one process: output {report.worst('single', 'output'):.1e}, "
+          f"gradient {report.worst('single', 'gradient'):.1e}, parameter {report.worst('single', 'parameter'):.1e}")
+
+
+def _generated_cases(p):
+    cases = {"gpipe": (schedules.gpipe(p, 3), 3, 1), "1f1b": (schedules.one_f_one_b(p, 5), 5, 1),
+             "zb_h1": (schedules.zb_h1(p, 5), 5, 1)}
+    if p == 2:                                   # p = 3 would need 6 layers for 6 stages
+        cases["interleaved_1f1b v=2"] = (schedules.interleaved_1f1b(p, 4, 2), 4, 2)
+    strategies = {}
+    for name, (schedule, m, v) in cases.items():
+        strategies[name] = _pipeline(schedule, m, v)        # compute only: the executor adds the messages
+        strategies[name + " + with_communication"] = _pipeline(schedules.with_communication(schedule, p, v), m, v)
+    return _parity(strategies)
+
+
+@pytest.mark.parametrize("p", [2, 3])
+def test_generated_schedules_match_one_process(p):
+    report = launch(_generated_cases, p, p, timeout=120)[0]
+    assert report.steps == STEPS and report.worst("ranks") == 0.0
+    print(f"p={p}, generated schedules: largest difference vs one process {report.worst('single'):.1e}")
+
+
+# --------------------------------------------------------------------------- memory and the recorded run
+def _recorded(schedules, m):
+    import torch.distributed as dist
+    rank, p = dist.get_rank(), dist.get_world_size()
+    idx, targets = token_batch(CFG, 8)
+    out = {}
+    for name, schedule in schedules.items():
+        model = GPT(CFG, seed=0)
+        ex = PipelineExecutor({rank: split_gpt(model, p)[rank]}, p, gpt_boundary_shape(model),
+                              timeline=Timeline(shared_origin()))
+        run_schedule(ex, schedule[rank], idx, targets, lm_loss, m, adamw(ex.stages[rank].parameters()))
+        out[name] = (ex.peak_held_rank, ex.timeline)
+    return out
+
+
+def test_peak_micro_batches_held_and_chrome_trace(tmp_path):
+    p, m = 3, 4
+    runs = {"gpipe": gpipe(p, m), "1f1b": one_f_one_b(p, m), "zb_h1": schedules.zb_h1(p, m)}
+    per_rank = launch(_recorded, p, runs, m, timeout=120)
+    assert [r["gpipe"][0] for r in per_rank] == [m] * p                      # GPipe keeps every micro-batch
+    assert [r["1f1b"][0] for r in per_rank] == [p - r for r in range(p)]     # 1F1B: p - r on rank r
+    for name, schedule in runs.items():                                       # as the simulator counts them
+        assert [r[name][0] for r in per_rank] == [peak_activations(schedule, p)[r] for r in range(p)], name
+    recording = merge([r["1f1b"][1] for r in per_rank])
+    path = write_chrome_trace(recording, tmp_path / "1f1b.json")
+    trace = json.loads(path.read_text())
+    events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert len(events) == sum(len(spans) for spans in recording.values())
+    assert all({"name", "cat", "ts", "dur", "pid", "tid"} <= e.keys() and e["dur"] >= 0 for e in events)
+    computed = {(e["pid"], e["name"]) for e in events if e["cat"] in ("forward", "backward")}
+    assert computed == {(r, f"{r}{k}{j}") for r in range(p) for k in "FB" for j in range(m)}
+    sends = {e["name"] for e in events if e["cat"] == "send" and e["pid"] == 0}
+    assert sends == {f"0SEND_F{j}" for j in range(m)} and {e["tid"] for e in events if e["cat"] == "send"} == {1}
+    assert trace == chrome_trace(recording)     # what was written is what chrome_trace builds
