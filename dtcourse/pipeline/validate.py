@@ -6,7 +6,9 @@ action and what it is missing::
 
     validate(one_f_one_b(4, 8), p=4, m=8)                       # fine: returns None
     validate(with_communication(zb_h1(4, 8), 4), p=4, m=8)       # fine, sends and receives included
-    # ValueError: rank 2, step 5: 2B1 needs 3B1 (the gradient from stage 3), which comes later on rank 3 ...
+    validate({0: [0F0, 0B0, 0F1, 0B1], 1: [1F1, 1F0, 1B0, 1B1]}, p=2, m=2)   # (Actions)
+    # ValueError: deadlock, no rank can proceed: rank 0, step 1: 0B0 needs 1B0 (the gradient from
+    # stage 1), which comes later on rank 1 (step 2, behind 1F1); rank 1, step 0: 1F1 needs 0F1 ...
 
 The checks, in order: every action belongs to its rank and its stage/micro-batch exist; every
 (stage, micro-batch) has one F and one backward (B, or I then W) and nothing twice; on each rank F
@@ -99,6 +101,8 @@ def validate(schedule: Schedule, p: int, m: int, v: int = 1) -> None:
         return where[a][0] == where[b][0] and where[a][1] < where[b][1]
 
     with_comms = any(a.kind in COMMUNICATION for a in where)
+    if with_comms:
+        _check_messages(schedule, p, n, where, at)
     for a in sorted(where, key=where.get):
         if a.kind in COMMUNICATION:
             continue
@@ -111,14 +115,16 @@ def validate(schedule: Schedule, p: int, m: int, v: int = 1) -> None:
                 recv = Action(a.stage, "RECV_F" if a.kind == "F" else "RECV_B", a.microbatch)
                 send = partner(recv)
                 if recv not in where or not before(recv, a):
-                    hint = "add it before" if recv not in where else f"it comes later (step {where[recv][1]}); move it before"
-                    raise ValueError(f"{at(a)} needs {d} ({_what(d)} on rank {where[d][0]}) through {recv}: {hint} {a}.")
+                    hint = ("add it before" if recv not in where
+                            else f"it comes later (step {where[recv][1]}); move it before")
+                    raise ValueError(f"{at(a)} needs {d} ({_what(d)} on rank {where[d][0]}) "
+                                     f"through {recv}: {hint} {a}.")
                 if send not in where or not before(d, send):
-                    hint = "add it after" if send not in where else f"it comes before (step {where[send][1]}); move it after"
+                    hint = ("add it after" if send not in where
+                            else f"it comes before (step {where[send][1]}); move it after")
                     raise ValueError(f"{at(recv)} receives from {send}, which rank {where[d][0]} never sends after "
                                      f"{d}: {hint} {d}.")
     if with_comms:
-        _check_messages(schedule, p, n, where, at)
         _play_messages(schedule, p)
     else:
         _play_compute(schedule, p, needs, where)
@@ -182,8 +188,8 @@ def _play_messages(schedule: Schedule, p: int) -> None:
                 peer = partner(a).stage % p
                 peer_at = (f"blocked at step {pos[peer]} on {schedule[peer][pos[peer]]}"
                            if pos[peer] < len(schedule[peer]) else "finished")
-                stuck.append(f"rank {r}, step {schedule[r].index(a)}: {a} waits for rank {peer} to post "
-                             f"{partner(a)} (its step {schedule[peer].index(partner(a))}), but rank {peer} is {peer_at}")
+                stuck.append(f"rank {r}, step {schedule[r].index(a)}: {a} waits for rank {peer} to post {partner(a)} "
+                             f"(its step {schedule[peer].index(partner(a))}), but rank {peer} is {peer_at}")
             raise ValueError("deadlock, no rank can proceed: " + "; ".join(stuck)
                              + ". Reorder so that both ends of each message are posted together "
                                "(with_communication does).")
