@@ -335,6 +335,36 @@ def test_validator_finds_a_deadlock_between_blocking_messages():
         simulate(schedule, 2, 2)
 
 
+def receive_before_send_after(schedule, p):
+    """Each rank on its own: a receive just before the compute that needs it, a send just after."""
+    def around(a):
+        before = [Action(a.stage, "RECV_F" if a.kind == "F" else "RECV_B", a.microbatch)]
+        after = [Action(a.stage, "SEND_F" if a.kind == "F" else "SEND_B", a.microbatch)]
+        first, last = a.stage == 0, a.stage == max(b.stage for r in schedule for b in schedule[r])
+        if a.kind == "W":
+            return [a]
+        if a.kind == "F":
+            return before * (not first) + [a] + after * (not last)
+        return before * (not last) + [a] + after * (not first)
+    return {r: [b for a in schedule[r] for b in around(a)] for r in range(p)}
+
+
+def test_non_blocking_sends_accept_orders_that_blocking_sends_would_hang():
+    """Placed rank by rank, interleaved 1F1B on 2 ranks has both ranks sending a gradient the other
+    will receive only later: fine if sends are waited for at the end of the step (blocking=False),
+    a hang if a send waits for its receive. 1F1B placed the same way passes both (Megatron's pairs)."""
+    schedule = receive_before_send_after(interleaved_1f1b(2, 4, 2), 2)
+    validate(schedule, 2, 4, 2, blocking=False)
+    with pytest.raises(ValueError, match=r"^deadlock.*rank 0, step 14: 2SEND_B0 waits for rank 1 to post 1RECV_B0"):
+        validate(schedule, 2, 4, 2)
+    validate(receive_before_send_after(one_f_one_b(4, 8), 4), 4, 8)
+    hung = {0: [Action.parse(a) for a in "0F0 0RECV_B0 0B0 0SEND_F0".split()],
+            1: [Action.parse(a) for a in "1RECV_F0 1F0 1B0 1SEND_B0".split()]}
+    with pytest.raises(ValueError, match=r"rank 0, step 2: 0B0 needs the message 1SEND_B0, which comes later on "
+                                         r"rank 1 \(step 3, behind 1F0\)"):
+        validate(hung, 2, 1, blocking=False)
+
+
 # --- bad inputs say what to change -------------------------------------------------------------------
 
 def test_bad_inputs_say_what_to_change():

@@ -19,7 +19,9 @@ on b from a (gloo and NCCL match point-to-point messages in order, so a swap del
 Last, the ranks are played against each other: without communication actions a rank waits until
 the action it needs has run on the other rank; with them, a run of consecutive SEND/RECVs is one
 batch (``batch_isend_irecv``) whose ops complete only once the peer has posted the partner op, the
-strictest model, so an order that passes cannot hang with eager or with rendezvous sends.
+strictest model, so an order that passes cannot hang with eager or with rendezvous sends (NCCL's
+send kernel waits for its receive). ``blocking=False`` models an executor that waits for a send only
+at the end of the step and for a receive only at the compute that uses it (gloo's buffered sends).
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ def _what(needed: Action) -> str:
     return f"stage {needed.stage}'s {'input' if needed.kind == 'W' else 'own'} pass"
 
 
-def validate(schedule: Schedule, p: int, m: int, v: int = 1) -> None:
+def validate(schedule: Schedule, p: int, m: int, v: int = 1, blocking: bool = True) -> None:
     """Raise ``ValueError`` saying what is wrong and where, or return None if ``schedule`` can run."""
     n = p * v
     if sorted(schedule) != list(range(p)):
@@ -124,8 +126,14 @@ def validate(schedule: Schedule, p: int, m: int, v: int = 1) -> None:
                             else f"it comes before (step {where[send][1]}); move it after")
                     raise ValueError(f"{at(recv)} receives from {send}, which rank {where[d][0]} never sends after "
                                      f"{d}: {hint} {d}.")
-    if with_comms:
+    if with_comms and blocking:
         _play_messages(schedule, p)
+    elif with_comms:                                           # only computes wait, for their receives
+        def waits_for(a: Action) -> list[Action]:
+            kind = {"F": "RECV_F", "B": "RECV_B", "I": "RECV_B"}.get(a.kind)
+            recv = Action(a.stage, kind, a.microbatch) if kind else None
+            return [partner(recv)] if recv in where else []
+        _play_compute(schedule, p, waits_for, where)
     else:
         _play_compute(schedule, p, needs, where)
 
@@ -196,7 +204,7 @@ def _play_messages(schedule: Schedule, p: int) -> None:
 
 
 def _play_compute(schedule: Schedule, p: int, needs, where) -> None:
-    """Run compute-only lists: an action waits until what it needs has run on its own rank."""
+    """Run the lists: an action waits until what ``needs`` names has run (a compute, or a posted send)."""
     done: set[Action] = set()
     pos = {r: 0 for r in range(p)}
     while True:
@@ -216,6 +224,7 @@ def _play_compute(schedule: Schedule, p: int, needs, where) -> None:
                 a = schedule[r][pos[r]]
                 d = next(d for d in needs(a) if d not in done)
                 q = where[d][0]
-                stuck.append(f"rank {r}, step {pos[r]}: {a} needs {d} ({_what(d)}), which comes later on rank {q} "
+                what = f"the message {d}" if d.kind in COMMUNICATION else f"{d} ({_what(d)})"
+                stuck.append(f"rank {r}, step {pos[r]}: {a} needs {what}, which comes later on rank {q} "
                              f"(step {where[d][1]}, behind {schedule[q][pos[q]]})")
             raise ValueError("deadlock, no rank can proceed: " + "; ".join(stuck) + ".")
