@@ -158,6 +158,8 @@ def test_stages_chained_are_the_model(n_stages):
     assert torch.equal(x, model(idx))          # the same modules, the same operations: bit for bit
     names = [n for st in stages for n, _ in st.named_parameters()]
     assert sorted(names) == sorted(n for n, _ in model.named_parameters())   # the GPT's names, each once
+    with pytest.raises(ValueError, match="exceeds block_size 8"):
+        stages[0](torch.zeros(1, 9, dtype=torch.long))
 
 
 # --------------------------------------------------------------------------- executor in one process

@@ -75,6 +75,9 @@ class GPTStage(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.first:                                               # x: token ids (B, T)
+            if x.shape[1] > self.wpe.num_embeddings:
+                raise ValueError(f"GPTStage: sequence length {x.shape[1]} exceeds block_size "
+                                 f"{self.wpe.num_embeddings}; use shorter sequences or a larger block_size.")
             pos = torch.arange(x.shape[1], device=x.device)          # (T,)
             x = self.drop(self.wte(x) + self.wpe(pos))               # (B, T, C)
         for block in self.blocks.values():
