@@ -19,7 +19,7 @@ from dtcourse import launch
 from dtcourse.models import GPT, GPTConfig, lm_loss, token_batch
 from dtcourse.parity import Tolerance, check_parity, whole_batch
 from dtcourse.pipeline import Action, schedules, validate
-from dtcourse.pipeline.execute import PipelineExecutor, PipelineParallel, add_communication, run_schedule
+from dtcourse.pipeline.execute import PipelineExecutor, PipelineParallel, rank_actions, run_schedule
 from dtcourse.pipeline.simulate import peak_activations
 from dtcourse.pipeline.partition import balanced_partition, gpt_boundary_shape, split_gpt, stages_of_rank
 from dtcourse.pipeline.trace import chrome_trace, write_chrome_trace
@@ -83,7 +83,7 @@ def _pipeline(schedule, m, v=1):
         import torch.distributed as dist
         rank, p = dist.get_rank(group), dist.get_world_size(group)
         stages = split_gpt(model, p * v)
-        return PipelineParallel({s: stages[s] for s in stages_of_rank(rank, p, v)}, p * v, schedule[rank], m,
+        return PipelineParallel({s: stages[s] for s in stages_of_rank(rank, p, v)}, p * v, schedule, m,
                                 adamw, gpt_boundary_shape(model), group=group)
     return shard
 
@@ -100,7 +100,7 @@ class TorchPipeline(PipelineParallel):
         from torch.distributed.pipelining import PipelineStage
         rank, p = dist.get_rank(group), dist.get_world_size(group)
         stage = split_gpt(model, p)[rank]
-        super().__init__({rank: stage}, p, [], m, adamw, gpt_boundary_shape(model), group=group)
+        super().__init__({rank: stage}, p, {}, m, adamw, gpt_boundary_shape(model), group=group)
         self.torch_stage = PipelineStage(stage, rank, p, torch.device("cpu"), group=group)
         self.schedule_class, self.m, self.first, self.last = schedule_class, m, rank == 0, rank == p - 1
 
@@ -196,11 +196,13 @@ def test_incomplete_lists_are_refused():
         ex.run([F(0, 0), F(1, 0), Action(1, "W", 0)], idx, targets, lm_loss, 1)
 
 
-def test_add_communication_puts_receives_before_and_sends_after():
-    acts = add_communication(one_f_one_b(2, 2)[0], 2, 2)
-    assert list(map(str, acts)) == ["0F0", "0SEND_F0", "0F1", "0SEND_F1", "0RECV_B0", "0B0", "0RECV_B1", "0B1"]
-    acts = add_communication(zero_bubble(2, 1)[1], 2, 2)
-    assert list(map(str, acts)) == ["1RECV_F0", "1F0", "1I0", "1SEND_B0", "1W0"]
+def test_a_compute_only_schedule_gets_the_messages_of_with_communication():
+    lowered = schedules.with_communication(one_f_one_b(2, 2), 2)
+    assert rank_actions(one_f_one_b(2, 2), 0, 2, 2) == lowered[0]
+    assert list(map(str, lowered[0])) == ["0F0", "0SEND_F0", "0F1", "0SEND_F1", "0RECV_B0", "0B0", "0RECV_B1", "0B1"]
+    assert rank_actions(lowered, 1, 2, 2) == lowered[1]        # a schedule with messages is taken as it is
+    alone = {0: [F(0, 0), F(1, 0), Bk(1, 0), Bk(0, 0)]}        # one rank holding both stages: no messages
+    assert rank_actions(alone, 0, 1, 2) == alone[0]
 
 
 # --------------------------------------------------------------------------- parity on real ranks
@@ -231,7 +233,7 @@ def _generated_cases(p):
         cases["interleaved_1f1b v=2"] = (schedules.interleaved_1f1b(p, 4, 2), 4, 2)
     strategies = {}
     for name, (schedule, m, v) in cases.items():
-        strategies[name] = _pipeline(schedule, m, v)        # compute only: the executor adds the messages
+        strategies[name] = _pipeline(schedule, m, v)        # compute only: PipelineParallel adds the messages
         strategies[name + " + with_communication"] = _pipeline(schedules.with_communication(schedule, p, v), m, v)
     return _parity(strategies)
 
@@ -253,7 +255,7 @@ def _recorded(schedules, m):
         model = GPT(CFG, seed=0)
         ex = PipelineExecutor({rank: split_gpt(model, p)[rank]}, p, gpt_boundary_shape(model),
                               timeline=Timeline(shared_origin()))
-        run_schedule(ex, schedule[rank], idx, targets, lm_loss, m, adamw(ex.stages[rank].parameters()))
+        run_schedule(ex, schedule, idx, targets, lm_loss, m, adamw(ex.stages[rank].parameters()))
         out[name] = (ex.peak_held_rank, ex.timeline)
     return out
 

@@ -14,12 +14,12 @@ from dtcourse.pipeline.schedules import SCHEDULES, gpipe, interleaved_1f1b, naiv
 from dtcourse.pipeline.simulate import Prediction, bubble_formula, peak_activations, simulate
 from dtcourse.pipeline.validate import validate
 from dtcourse.pipeline.partition import GPTStage, balanced_partition, gpt_boundary_shape, split_gpt, stages_of_rank
-from dtcourse.pipeline.execute import PipelineExecutor, PipelineParallel, add_communication, run_schedule
+from dtcourse.pipeline.execute import PipelineExecutor, PipelineParallel, rank_actions, run_schedule
 from dtcourse.pipeline.trace import chrome_trace, write_chrome_trace
 
 __all__ = ["Action", "Schedule", "COMPUTE", "COMMUNICATION", "KINDS"]
 __all__ += ["naive", "gpipe", "one_f_one_b", "interleaved_1f1b", "zb_h1", "with_communication", "SCHEDULES"]
 __all__ += ["validate", "simulate", "Prediction", "bubble_formula", "peak_activations"]
 __all__ += ["balanced_partition", "split_gpt", "GPTStage", "gpt_boundary_shape", "stages_of_rank"]
-__all__ += ["PipelineExecutor", "PipelineParallel", "run_schedule", "add_communication"]
+__all__ += ["PipelineExecutor", "PipelineParallel", "run_schedule", "rank_actions"]
 __all__ += ["chrome_trace", "write_chrome_trace"]

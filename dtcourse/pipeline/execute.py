@@ -17,15 +17,16 @@ walks its own list once per training step:
 * ``SEND_F`` / ``RECV_F`` / ``SEND_B`` / ``RECV_B`` move an activation or a gradient to the neighbouring
   stage's rank. Consecutive ones are posted together with ``dist.batch_isend_irecv``; a receive is
   waited for only by the compute that needs it, and sends only at the end of the list, so a rank never
-  blocks on a message before it has posted its own. A list without any is given them by
-  ``add_communication``: each receive just before its compute, each send just after.
+  blocks on a message before it has posted its own. ``run_schedule`` and ``PipelineParallel`` take a
+  whole schedule, and give a compute-only one its messages with ``schedules.with_communication``
+  (one global order of messages, which cannot deadlock even where a send waits for its receive).
 
 Every action is a span of ``self.timeline`` (``dtcourse.runtime.timeline``), so the bubble is measured on
 the real run; ``peak_held`` counts the micro-batches whose activations each stage held at once (m for
 GPipe, p - r on rank r for 1F1B). Example, on every rank under ``dtcourse.launch``::
 
     ex = PipelineExecutor({r: split_gpt(model, p)[r]}, p, gpt_boundary_shape(model))
-    logits = run_schedule(ex, actions_of_this_rank, idx, targets, lm_loss, 4, optimizer)
+    logits = run_schedule(ex, schedules.one_f_one_b(p, 4), idx, targets, lm_loss, 4, optimizer)
 """
 
 from __future__ import annotations
@@ -38,11 +39,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from dtcourse.pipeline.actions import Action
+from dtcourse.pipeline.actions import Action, Schedule
 from dtcourse.pipeline.partition import rank_of_stage
+from dtcourse.pipeline.schedules import with_communication
 from dtcourse.runtime.timeline import Timeline
 
-__all__ = ["PipelineExecutor", "PipelineParallel", "run_schedule", "add_communication", "SPAN_KINDS"]
+__all__ = ["PipelineExecutor", "PipelineParallel", "run_schedule", "rank_actions", "SPAN_KINDS"]
 
 SPAN_KINDS = {"F": "forward", "B": "backward", "I": "backward_input", "W": "backward_weight",
               "SEND_F": "send", "SEND_B": "send", "RECV_F": "recv", "RECV_B": "recv", "wait": "wait"}
@@ -50,23 +52,13 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 BoundaryShape = Callable[[int, torch.Tensor], Sequence[int]]   # (stage, micro-batch input) -> its input's shape
 
 
-def add_communication(actions: Sequence[Action], n_ranks: int, n_stages: int) -> list[Action]:
-    """``actions`` with a receive before and a send after each compute that needs one, if it has none.
-
-    ``[0F0, 0B0]`` on stage 0 of 2 becomes ``[0F0, 0SEND_F0, 0RECV_B0, 0B0]``. Lists that already hold
-    communication, and single-rank pipelines (their stages hand over locally), are returned unchanged.
-    """
-    if n_ranks == 1 or any(not a.is_compute for a in actions):
-        return list(actions)
-    out: list[Action] = []
-    for a in actions:
-        s, j, last = a.stage, a.microbatch, a.stage == n_stages - 1
-        out += [Action(s, "RECV_F", j)] * (a.kind == "F" and s > 0)
-        out += [Action(s, "RECV_B", j)] * (a.kind in ("B", "I") and not last)
-        out.append(a)
-        out += [Action(s, "SEND_F", j)] * (a.kind == "F" and not last)
-        out += [Action(s, "SEND_B", j)] * (a.kind in ("B", "I") and s > 0)
-    return out
+def rank_actions(schedule: Schedule, rank: int, n_ranks: int, n_stages: int) -> list[Action]:
+    """This rank's list of ``schedule``, with the messages ``schedules.with_communication`` places if it has none."""
+    if n_ranks == 1 or any(not a.is_compute for acts in schedule.values() for a in acts):
+        return list(schedule.get(rank, []))
+    if not any(schedule.values()):
+        return []
+    return with_communication(schedule, n_ranks, n_stages // n_ranks)[rank]
 
 
 @dataclass
@@ -122,7 +114,11 @@ class PipelineExecutor:
         self.sends: list = []                                                   # (work, tensor) to finish
         self.outputs: dict[int, torch.Tensor] = {}
         self.count, self.peak_held, self.peak_held_rank, self.loss = {s: 0 for s in self.stages}, {}, 0, 0.0
-        todo = add_communication(actions, self.n_ranks, self.n_stages)
+        if self.n_ranks > 1 and actions and all(a.is_compute for a in actions):
+            raise ValueError(f"rank {self.rank}'s list has no SEND/RECV actions, but its stages exchange data with "
+                             "other ranks: pass rank_actions(schedule, rank, p, p * v), or run_schedule with the "
+                             "whole schedule, which add them.")
+        todo = list(actions)
         batch: list[Action] = []
         for a in todo:
             if not a.is_compute:
@@ -284,10 +280,11 @@ class PipelineExecutor:
         return p.device if p is not None else torch.device("cpu")
 
 
-def run_schedule(executor: PipelineExecutor, actions: Sequence[Action], x: torch.Tensor, y: torch.Tensor,
+def run_schedule(executor: PipelineExecutor, schedule: Schedule, x: torch.Tensor, y: torch.Tensor,
                  loss_fn: LossFn, n_microbatches: int, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
-    """One training step: clear the gradients, run this rank's ``actions``, then the optimizer's step."""
+    """One training step: clear the gradients, run this rank's part of ``schedule``, then the optimizer's step."""
     optimizer.zero_grad(set_to_none=True)
+    actions = rank_actions(schedule, executor.rank, executor.n_ranks, executor.n_stages)
     out = executor.run(actions, x, y, loss_fn, n_microbatches)
     with executor.timeline.span("optimizer", "step"):
         optimizer.step()
@@ -295,17 +292,17 @@ def run_schedule(executor: PipelineExecutor, actions: Sequence[Action], x: torch
 
 
 class PipelineParallel:
-    """``dtcourse.parity.Parallel`` for a pipeline: this rank's ``stages``, its ``actions``, ``n_microbatches``.
+    """``dtcourse.parity.Parallel`` for a pipeline: this rank's ``stages``, the ``schedule``, ``n_microbatches``.
 
     Stage modules must keep the plain model's parameter names (``GPTStage`` does); ``full_gradients`` and
     ``full_parameters`` gather every stage's to every rank. Other arguments go to ``PipelineExecutor``.
     """
 
-    def __init__(self, stages: Mapping[int, nn.Module], n_stages: int, actions: Sequence[Action],
+    def __init__(self, stages: Mapping[int, nn.Module], n_stages: int, schedule: Schedule,
                  n_microbatches: int, optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
                  boundary_shape: BoundaryShape, **options):
-        self.executor = PipelineExecutor(stages, n_stages, boundary_shape, **options)
-        self.actions, self.m = list(actions), n_microbatches
+        self.executor = ex = PipelineExecutor(stages, n_stages, boundary_shape, **options)
+        self.actions, self.m = rank_actions(schedule, ex.rank, ex.n_ranks, n_stages), n_microbatches
         self.optimizer = optimizer([p for stage in stages.values() for p in stage.parameters()])
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn) -> torch.Tensor | None:

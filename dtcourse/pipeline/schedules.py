@@ -17,14 +17,9 @@ sends and receives. Orders follow ``torch.distributed.pipelining`` action by act
 from __future__ import annotations
 
 from dtcourse.pipeline.actions import COMMUNICATION, Action, Schedule
+from dtcourse.pipeline.partition import rank_of_stage
 
-__all__ = ["naive", "gpipe", "one_f_one_b", "interleaved_1f1b", "zb_h1", "with_communication",
-           "rank_of", "SCHEDULES"]
-
-
-def rank_of(stage: int, p: int) -> int:
-    """The rank holding ``stage``: stages go round the ranks, so rank r holds r, r + p, r + 2p, ..."""
-    return stage % p
+__all__ = ["naive", "gpipe", "one_f_one_b", "interleaved_1f1b", "zb_h1", "with_communication", "SCHEDULES"]
 
 
 def _check(name: str, p: int, m: int) -> None:
@@ -141,9 +136,9 @@ SCHEDULES = {"naive": naive, "gpipe": gpipe, "1f1b": one_f_one_b,
 
 def _message(action: Action, p: int, n: int) -> tuple[Action, Action] | None:
     """(send, receive) that ``action``'s result needs, when the next consumer lives on another rank."""
-    if action.kind == "F" and action.stage < n - 1 and rank_of(action.stage + 1, p) != rank_of(action.stage, p):
+    if action.kind == "F" and action.stage < n - 1 and rank_of_stage(action.stage + 1, p) != rank_of_stage(action.stage, p):
         return Action(action.stage, "SEND_F", action.microbatch), Action(action.stage + 1, "RECV_F", action.microbatch)
-    if action.kind in ("B", "I") and action.stage > 0 and rank_of(action.stage - 1, p) != rank_of(action.stage, p):
+    if action.kind in ("B", "I") and action.stage > 0 and rank_of_stage(action.stage - 1, p) != rank_of_stage(action.stage, p):
         return Action(action.stage, "SEND_B", action.microbatch), Action(action.stage - 1, "RECV_B", action.microbatch)
     return None
 
@@ -192,8 +187,8 @@ def with_communication(schedule: Schedule, p: int, v: int = 1) -> Schedule:
                 send, recv = message
                 out[r].append(send)
                 placed[r].add(send)
-                out[rank_of(recv.stage, p)].append(recv)
-                placed[rank_of(recv.stage, p)].add(recv)
+                out[rank_of_stage(recv.stage, p)].append(recv)
+                placed[rank_of_stage(recv.stage, p)].add(recv)
             nxt[r] += 1
             progress = True
         if not progress:
