@@ -89,23 +89,27 @@ def _pipeline(schedule, m, v=1):
 
 
 class TorchPipeline(PipelineParallel):
-    """PyTorch's own pipeline (``torch.distributed.pipelining``) on the same stage, as a second reference.
+    """PyTorch's own pipeline (``torch.distributed.pipelining``) on the same stages, as a second reference.
 
-    Only ``forward_backward`` differs: torch's schedule runs the stage, and scales the summed micro-batch
-    gradients by 1/m (``scale_grads``), which equals the global mean for equal micro-batches.
+    Only ``forward_backward`` differs: torch's schedule runs the stages (one per rank, or ``v`` for its
+    multi-stage schedules), and scales the summed micro-batch gradients by 1/m (``scale_grads``), which
+    equals the global mean for equal micro-batches.
     """
 
-    def __init__(self, model, group, schedule_class, m):
+    def __init__(self, model, group, schedule_class, m, v=1):
         import torch.distributed as dist
         from torch.distributed.pipelining import PipelineStage
+        from torch.distributed.pipelining.schedules import PipelineScheduleMulti
         rank, p = dist.get_rank(group), dist.get_world_size(group)
-        stage = split_gpt(model, p)[rank]
-        super().__init__({rank: stage}, p, {}, m, adamw, gpt_boundary_shape(model), group=group)
-        self.torch_stage = PipelineStage(stage, rank, p, torch.device("cpu"), group=group)
-        self.schedule_class, self.m, self.first, self.last = schedule_class, m, rank == 0, rank == p - 1
+        split, mine = split_gpt(model, p * v), stages_of_rank(rank, p, v)
+        super().__init__({s: split[s] for s in mine}, p * v, {}, m, adamw, gpt_boundary_shape(model), group=group)
+        self.torch_stages = [PipelineStage(split[s], s, p * v, torch.device("cpu"), group=group) for s in mine]
+        self.multi = issubclass(schedule_class, PipelineScheduleMulti)
+        self.schedule_class, self.m, self.first, self.last = schedule_class, m, 0 in mine, p * v - 1 in mine
 
     def forward_backward(self, x, y, loss_fn):
-        schedule = self.schedule_class(self.torch_stage, self.m, loss_fn=loss_fn)
+        stages = self.torch_stages if self.multi else self.torch_stages[0]
+        schedule = self.schedule_class(stages, self.m, loss_fn=loss_fn)
         out = schedule.step(*([x] if self.first else []), target=y if self.last else None)
         return out.detach() if self.last else None
 
@@ -236,6 +240,27 @@ def _generated_cases(p):
         strategies[name] = _pipeline(schedule, m, v)        # compute only: PipelineParallel adds the messages
         strategies[name + " + with_communication"] = _pipeline(schedules.with_communication(schedule, p, v), m, v)
     return _parity(strategies)
+
+
+def _torch_references():
+    """Each generated schedule beside torch's own schedule of the same name (m = 4: B/m whole, as torch's 1/m needs)."""
+    from torch.distributed.pipelining import ScheduleGPipe, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble
+    p, m = 2, 4
+    pairs = [("gpipe", schedules.gpipe(p, m), 1, ScheduleGPipe),
+             ("interleaved_1f1b v=2", schedules.interleaved_1f1b(p, m, 2), 2, ScheduleInterleaved1F1B),
+             ("zb_h1", schedules.zb_h1(p, m), 1, ScheduleInterleavedZeroBubble)]   # its v = 1 order is ZB-H1's
+    reports = []
+    for name, schedule, v, theirs in pairs:
+        ref = lambda model, group, theirs=theirs, v=v: TorchPipeline(model, group, theirs, m, v)
+        reports.append(check_parity(lambda: GPT(CFG, seed=0), {name: _pipeline(schedule, m, v)},
+                                    [token_batch(CFG, 8, seed=s) for s in range(STEPS)], lm_loss, adamw,
+                                    tolerance=ONE_PROCESS, reference=ref, reference_tolerance=TORCH, split=whole_batch))
+    return reports
+
+
+def test_generated_schedules_match_torchs_own():
+    for report in launch(_torch_references, 2, timeout=120)[0]:
+        assert report.steps == STEPS and report.worst("ranks") == 0.0 and report.worst("reference") <= 1e-5
 
 
 @pytest.mark.parametrize("p", [2, 3])
