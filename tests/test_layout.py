@@ -54,6 +54,10 @@ LONG_MODULES = {
     "dtcourse/lab/zero.py": "lesson 06's companion: the formulas with K per optimizer, memory by kind measured per "
                             "rank, bytes sent and the collectives per unit, stage 3's recorded prefetch, FSDP2 "
                             "parity, the memory widget and four problems; each part under 120 lines",
+    "dtcourse/lab/pipeline.py": "lesson 08's companion: schedules recorded on real ranks with their measured bubbles "
+                                "and peaks, the sweep against the formulas and the simulator, the bubble widget "
+                                "(a recording beside its simulation), PipeTransformer's freeze-and-widen run and "
+                                "five problems; each part under 120 lines",
     "dtcourse/lab/checkpointing.py": "lesson 05's measurements (segment sweep, recomputation policies, fused "
                                      "attention's saved tensors, save_on_cpu), the three figures drawn from "
                                      "them, and its four problems: one lesson's companion, read beside it",
