@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     import ipywidgets
 
 __all__ = ["PIPE_GPT", "ROWS_PER_MICROBATCH", "COMPUTE_KINDS", "Run", "record", "record_grid", "build",
-           "bubble_table", "bubble_sweep_figure", "held_table", "BubbleView", "bubble_widget", "write_trace",
+           "bubble_table", "bubble_sweep_figure", "schedules_figure", "held_table", "BubbleView", "bubble_widget", "write_trace",
            "messages_per_step", "freeze_and_widen", "problem_gpipe_bubble", "problem_peak_held",
            "problem_interleaved_bubble", "problem_messages", "problem_zero_bubble"]
 
@@ -435,3 +435,24 @@ def problem_zero_bubble(p: int = 4, m: int = 8) -> Answer:
             for name in ("1f1b", "zb_h1")}
     return Answer(idle["zb_h1"] / idle["1f1b"], 1 / 3, "", 1e-9,
                   "(p-1)(t_f + t_i - t_w) against (p-1)(t_f + t_b), exact in the simulator")
+
+
+def schedules_figure(names: Sequence[str] = ("naive", "gpipe", "1f1b", "interleaved_1f1b", "zb_h1"), p: int = 4,
+                     m: int = 4, v: int = 2):
+    """One simulated Gantt chart per schedule, drawn from the schedule's data: a rank's forward of its layers takes 1,
+    its backward 2 (I and W 1 each); an interleaved chunk, 1/v of the rank's layers, 1/v of that."""
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(len(names), 1, figsize=(COLUMN_IN, 1.3 * len(names) * p / 3 + 0.6), sharex=True)
+    plt.close(figure)
+    for ax, name in zip(axes, names):
+        mm = 1 if name == "naive" else m
+        vv = v if name == "interleaved_1f1b" else 1      # a chunk holds 1/v of a rank's layers: 1/v of the time
+        prediction = simulate(build(name, p, mm, vv), p, mm, vv, t_f=1 / vv, t_b=2 / vv)
+        _gantt(ax, prediction.timeline, 1.0, False)
+        ax.set_title(f"{name}: bubble {prediction.bubble:.2f}", fontsize=8, loc="left")
+        if ax is not axes[0]:
+            ax.get_legend().remove()
+    axes[-1].set_xlabel(f"time (units of t_f), p = {p}, m = {m}" + (f", v = {v} for interleaved" if v > 1 else ""))
+    figure.tight_layout()
+    return figure
