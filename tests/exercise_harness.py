@@ -53,6 +53,8 @@ EXPECTED = {
     "06_zero_stage2": Expected(
         "Exercise 06: zero stage2", 14, 8,
         frozenset({"check_gradients_hidden", "check_memory_hidden", "check_parity_hidden", "check_traffic_hidden"})),
+    "08_pipeline_1f1b": Expected(
+        "Exercise 08: pipeline 1f1b", 10, 6, frozenset({"check_valid_hidden", "check_order_hidden", "check_run_hidden"})),
 }
 
 

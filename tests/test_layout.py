@@ -42,6 +42,9 @@ LONG_MODULES = {
     "dtcourse/checks/zero.py": "exercise 06's four graded checks (gradients, memory, parity, traffic) share one set "
                                "of cases, one bucket layout and one recorder of every collective's bytes; most of "
                                "each check is its explanation of what went wrong, by rank, bucket and byte",
+    "dtcourse/checks/pipeline.py": "exercise 08's three graded checks (valid, order, run on ranks) share one reading "
+                                   "of the student's schedule and one catalogue of the usual mistakes that names "
+                                   "which one a wrong schedule is; most of each check is its explanation",
     "dtcourse/lab/data_parallel.py": "lesson 02's companion: shards, DDP timelines, pricing the step (fitted link "
                                      "with its fallback, forward-pass collectives, FLOP rate, the GPU case, the "
                                      "bucket figure) and five problems; each part under 120 lines",

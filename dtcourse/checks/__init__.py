@@ -13,6 +13,7 @@ itself, so that nothing a solution cell binds can stand in for it::
 * ``dtcourse.checks.mixed_precision``: exercise 04 (a dynamic loss scaler against GradScaler)
 * ``dtcourse.checks.checkpointing``: exercise 05 (a checkpointed sequential container)
 * ``dtcourse.checks.zero``: exercise 06 (the ZeRO stage-2 step: reduce-scatter, sharded step, all-gather)
+* ``dtcourse.checks.pipeline``: exercise 08 (the 1F1B schedule generator, as data)
 * ``dtcourse.checks.common``: running a check on ranks and reporting what went wrong
 * ``dtcourse.checks.guard``: what the student's code may call, and what it sent, while it runs
 
@@ -50,7 +51,8 @@ __all__ = ["check_model_states", "check_activations",
            "check_exactly_once", "check_staleness_bound", "check_sync_parity", "check_hang",
            "check_loss_scaler",
            "check_segment_bounds", "check_checkpoint_gradients", "check_checkpoint_memory",
-           "check_zero_gradients", "check_zero_memory", "check_zero_parity", "check_zero_traffic"]
+           "check_zero_gradients", "check_zero_memory", "check_zero_parity", "check_zero_traffic",
+           "check_1f1b_valid", "check_1f1b_order", "check_1f1b_run"]
 
 # loaded afresh for every check, in this order (each module's imports find the fresh ones before it)
 _FRESH = ("dtcourse.runtime.results", "dtcourse.runtime.processes", "dtcourse.runtime.launch",
@@ -172,6 +174,9 @@ check_zero_gradients = _isolated("zero", "check_zero_gradients")
 check_zero_memory = _isolated("zero", "check_zero_memory")
 check_zero_parity = _isolated("zero", "check_zero_parity")
 check_zero_traffic = _isolated("zero", "check_zero_traffic")
+check_1f1b_valid = _isolated("pipeline", "check_1f1b_valid")
+check_1f1b_order = _isolated("pipeline", "check_1f1b_order")
+check_1f1b_run = _isolated("pipeline", "check_1f1b_run")
 
 
 def _seal() -> None:

@@ -1,0 +1,244 @@
+"""Exercise 08 (the 1F1B schedule as data): the released notebook, its checks, and what they refuse.
+
+The checks test the algorithm, not only the answer: GPipe's order and a warm-up one forward too long
+both run, so they pass the validator, but fail the order check (named by rank, step and phase, with
+the actions expected and found and the mistake) and the run on real ranks, where the executor measures
+more than p - r micro-batches held on rank r. A backward before its forward, a missing cool-down, an
+uncapped warm-up for m < p and a deadlock each fail with the validator's rank and step and a hint;
+a loop that never ends fails after the timeout; the course's own ``one_f_one_b`` (and torch's
+``Schedule1F1B`` order) are refused. Everything here calls the checks directly (each launch forks its
+ranks in well under a second); full marks for the solution and zero for the untouched exercise are
+checked with every exercise's, in ``test_grading.py``. Run just these with
+``pytest -q tests/test_pipeline_exercise.py``, and everything about this exercise with
+``pytest -q tests -k "08_pipeline_1f1b or test_pipeline_exercise"``.
+
+The functions handed to the checks are defined in this file (or compiled from the notebook's cells
+under this file's name): to the checks, they are a student's code.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+
+import pytest
+
+from dtcourse import checks
+from dtcourse.pipeline import Action, schedules
+from exercise_harness import EXPECTED, assert_released, nbgrader_cells, solution_code, source_path
+
+NAME = "08_pipeline_1f1b"
+
+
+def _notebook() -> dict:
+    """The solution's function, compiled under this file's name: the checks take it for a student's."""
+    cells, answers = nbgrader_cells(source_path(NAME)), solution_code(NAME)
+    namespace: dict = {"__name__": __name__}
+    exec(compile("\n\n".join([cells["setup"], answers["one_f_one_b"]]), __file__, "exec"), namespace)
+    return namespace
+
+
+one_f_one_b = _notebook()["one_f_one_b"]
+
+
+# --------------------------------------------------------------------------- #
+# Wrong answers, each a student's plausible mistake
+# --------------------------------------------------------------------------- #
+def _1f1b(warmup, steady="FB", cooldown=True, cap=True):
+    """A 1F1B generator with the given warm-up count per (p, r), steady pair order, cool-down and cap."""
+    def generate(p, m):
+        out = {}
+        for r in range(p):
+            w = min(warmup(p, r), m) if cap else warmup(p, r)
+            ops = [Action(r, "F", j) for j in range(w)]
+            for j in range(m - w):
+                pair = {"F": Action(r, "F", w + j), "B": Action(r, "B", j)}
+                ops += [pair[steady[0]], pair[steady[1]]]
+            if cooldown:
+                ops += [Action(r, "B", j) for j in range(m - w, m)]
+            out[r] = ops
+        return out
+    return generate
+
+
+warm_up_p_minus_r = _1f1b(lambda p, r: p - r)
+backward_first = _1f1b(lambda p, r: p - 1 - r, steady="BF")
+no_cool_down = _1f1b(lambda p, r: p - 1 - r, cooldown=False)
+uncapped = _1f1b(lambda p, r: p - 1 - r, cap=False)          # m < p: Action(r, "B", -1) raises
+warm_up_r = _1f1b(lambda p, r: r)                             # the wrong way round: a deadlock
+
+
+def gpipe_order(p, m):
+    return {r: [Action(r, "F", j) for j in range(m)] + [Action(r, "B", j) for j in range(m)] for r in range(p)}
+
+
+def uncapped_forwards(p, m):
+    """Warm-up forwards never capped, the rest guarded: forwards of micro-batches that do not exist."""
+    out = {}
+    for r in range(p):
+        w = p - 1 - r
+        ops = [Action(r, "F", j) for j in range(w)]
+        for j in range(max(0, m - w)):
+            ops += [Action(r, "F", w + j), Action(r, "B", j)]
+        out[r] = ops + [Action(r, "B", j) for j in range(max(0, m - w), m)]
+    return out
+
+
+def strings(p, m):
+    return {r: [str(a) for a in acts] for r, acts in one_f_one_b(p, m).items()}
+
+
+def forgets_the_return(p, m):
+    one_f_one_b(p, m)
+
+
+def never_ends(p, m):
+    while True:
+        pass
+
+
+def calls_the_course(p, m):
+    return schedules.one_f_one_b(p, m)
+
+
+def asks_torch(p, m):
+    from torch.distributed.pipelining.schedules import Schedule1F1B
+    return Schedule1F1B._get_pipeline_order(None)
+
+
+# --------------------------------------------------------------------------- #
+# The released notebook, and the solution
+# --------------------------------------------------------------------------- #
+def test_released_notebook_hides_the_answer_and_gives_the_scaffolding():
+    assert_released(NAME, absent=["warmup = min(p - 1 - r, m)", 'cases=("large",)'],
+                    stubs={"one_f_one_b": 1},
+                    given={"one_f_one_b": ["def one_f_one_b(p: int, m: int) -> dict[int, list[Action]]:"],
+                           "setup": ["from dtcourse.pipeline import Action"]})
+    assert EXPECTED[NAME].points == 10
+
+
+def test_the_solution_passes_every_check_hidden_cases_included():
+    for check in (checks.check_1f1b_valid, checks.check_1f1b_order, checks.check_1f1b_run):
+        check(one_f_one_b, cases=("small", "large"))
+
+
+def test_the_course_generator_is_marked_and_still_reads_as_itself():
+    assert schedules.one_f_one_b.__dtcourse_reference__ == ("pipeline", "08")
+    assert "warmup = min(p - 1 - r, m)" in inspect.getsource(schedules.one_f_one_b)
+    assert schedules.one_f_one_b(2, 3)[0] == [Action(0, "F", 0), Action(0, "F", 1), Action(0, "B", 0),
+                                                Action(0, "F", 2), Action(0, "B", 1), Action(0, "B", 2)]
+
+
+# --------------------------------------------------------------------------- #
+# Valid but not 1F1B: the order check and the run on real ranks
+# --------------------------------------------------------------------------- #
+def test_a_warm_up_of_p_minus_r_runs_but_fails_order_and_memory():
+    checks.check_1f1b_valid(warm_up_p_minus_r, cases=("small", "large"))
+    with pytest.raises(AssertionError) as info:
+        checks.check_1f1b_order(warm_up_p_minus_r)
+    message = str(info.value)
+    assert "one_f_one_b(4, 8), rank 0, step 4 (steady state): expected 0B0, found 0F4." in message, message
+    assert "1F1B on rank 0: warm-up steps 0-2 (min(p-1-r, m) = 3 forwards), steady state steps 3-12 " \
+           "(F then B, 5 pairs), cool-down steps 13-15 (3 backwards)." in message, message
+    assert "yours:    [0F0, 0F1, 0F2, 0F3, 0F4, 0B0, 0F5," in message, message
+    assert "Yours holds up to 5 micro-batches of activations on rank 0 (1F1B: min(p-r, m) = 4)" in message, message
+    assert "hint: your warm-up runs p-r forwards on rank r, one too many" in message, message
+    with pytest.raises(AssertionError) as info:
+        checks.check_1f1b_run(warm_up_p_minus_r)
+    message = str(info.value)
+    assert "is wrong on 2 ranks in one_f_one_b(2, 4)" in message, message
+    assert "rank 0: stage 0 held the activations of 3 micro-batches at once (measured by the executor); 1F1B " \
+           "holds at most min(p-r, m) = min(2, 4) = 2 on rank 0" in message, message
+    assert "rank 1: stage 1 held the activations of 2 micro-batches at once" in message, message
+
+
+def test_gpipe_order_runs_but_holds_every_micro_batch():
+    checks.check_1f1b_valid(gpipe_order)
+    with pytest.raises(AssertionError) as info:
+        checks.check_1f1b_order(gpipe_order)
+    message = str(info.value)
+    assert "one_f_one_b(4, 8), rank 0, step 4 (steady state): expected 0B0, found 0F4." in message, message
+    assert "Yours holds up to 8 micro-batches of activations on rank 0 (1F1B: min(p-r, m) = 4) and its simulated " \
+           "bubble is 0.273 (1F1B: (p-1)/(m+p-1) = 0.273)" in message, message
+    assert "hint: that is GPipe's order" in message, message
+    with pytest.raises(AssertionError, match=r"rank 1: stage 1 held the activations of 4 micro-batches at once .*"
+                                             r"min\(1, 4\) = 1 on rank 1.*\n.*hint: that is GPipe's order"):
+        checks.check_1f1b_run(gpipe_order)
+
+
+# --------------------------------------------------------------------------- #
+# Schedules that cannot run: the validator's rank and step, and the mistake
+# --------------------------------------------------------------------------- #
+@pytest.mark.parametrize("fn, complaint", [
+    (backward_first, r"one_f_one_b\(4, 8\) cannot run: rank 3, step 0: 3B0 needs 3F0 \(the activation from stage 3\), "
+                     r"which comes later on rank 3 \(step 1\); swap them\.\n    hint: in your steady state the "
+                     r"backward comes before the forward"),
+    (no_cool_down, r"one_f_one_b\(4, 8\) cannot run: stage 0 never runs 0B5 .*: add it to rank 0's list\.\n    "
+                   r"hint: your schedule has no cool-down"),
+    (warm_up_r, r"one_f_one_b\(4, 8\) cannot run: deadlock, no rank can proceed: rank 0, step 1: 0B0 needs 1B0 "
+                r".*\n    hint: your warm-up runs r forwards on rank r, the wrong way round"),
+    (uncapped, r"one_f_one_b\(4, 2\) raised ValueError: Action: stage and micro-batch are indices >= 0, got 0 and -1"
+               r"\.\n(.*\n)*    hint: with m = 2 micro-batches and p = 4 ranks, rank 0's warm-up p-1-r = 3 is more "
+               r"than the m = 2 micro-batches there are: cap it, min\(p-1-r, m\)"),
+    (uncapped_forwards, r"one_f_one_b\(4, 2\) cannot run: rank 0, step 2: 0F2 names stage 0 / micro-batch 2, but "
+                        r"there are 4 stages and 2 micro-batches\.\n    hint: with m = 2 micro-batches and p = 4"),
+])
+def test_a_schedule_that_cannot_run_is_named_by_rank_and_step(fn, complaint):
+    for check in (checks.check_1f1b_valid, checks.check_1f1b_order):
+        with pytest.raises(AssertionError, match=complaint):
+            check(fn)
+
+
+def test_on_real_ranks_a_broken_schedule_is_not_run_and_the_cap_is_hinted():
+    with pytest.raises(AssertionError) as info:
+        checks.check_1f1b_run(no_cool_down)
+    message = str(info.value)
+    assert "one_f_one_b(2, 4) cannot run: stage 0 never runs 0B3" in message and "(not run on the ranks)" in message
+    assert message.count("cannot run") == 1, message                     # rank 0 reports it, once
+    with pytest.raises(AssertionError) as info:
+        checks.check_1f1b_run(uncapped)
+    message = str(info.value)
+    assert "failed on 3 ranks in one_f_one_b(3, 1): rank" in message and "raised ValueError: Action:" in message
+    assert "hint: with m = 1 micro-batches and p = 3 ranks, rank 0's warm-up p-1-r = 2 is more than" in message
+
+
+# --------------------------------------------------------------------------- #
+# Form, hangs, and the course's own answer
+# --------------------------------------------------------------------------- #
+@pytest.mark.parametrize("fn, complaint", [
+    (strings, r"one_f_one_b\(4, 8\)\[0\]\[0\] is '0F0' \(str\), not an Action: build each one with "
+              r"Action\(stage, kind, micro-batch\)"),
+    (forgets_the_return, r"one_f_one_b\(4, 8\) returned NoneType None; .*\(did you forget the return\?\)"),
+])
+def test_the_wrong_form_is_named(fn, complaint):
+    with pytest.raises(AssertionError, match=complaint):
+        checks.check_1f1b_valid(fn)
+
+
+def test_a_loop_that_never_ends_fails_after_the_timeout():
+    start = time.monotonic()
+    with pytest.raises(AssertionError) as info:
+        checks.check_1f1b_valid(never_ends, timeout=3)
+    message = str(info.value)
+    assert "never_ends did not finish within 3 s" in message and "one_f_one_b(4, 8)" in message, message
+    assert "Does a loop in it never end?" in message, message
+    assert time.monotonic() - start < 20
+
+
+def test_the_course_answer_and_torchs_order_are_refused():
+    for check in (checks.check_1f1b_valid, checks.check_1f1b_order, checks.check_1f1b_run):
+        with pytest.raises(AssertionError, match=r"was given dtcourse\.pipeline\.schedules\.one_f_one_b, the course's "
+                                                 r"own answer to exercise 08"):
+            check(schedules.one_f_one_b)
+    with pytest.raises(AssertionError, match=r"rank \d raised ReferenceRefused: dtcourse\.pipeline\.schedules\."
+                                             r"one_f_one_b is the course's own answer to exercise 08"):
+        checks.check_1f1b_run(calls_the_course)
+    with pytest.raises(AssertionError, match=r"it raised ReferenceRefused: torch's Schedule1F1B order is switched off"):
+        checks.check_1f1b_order(asks_torch)
+
+
+def test_bad_arguments_are_refused_before_anything_runs():
+    with pytest.raises(ValueError, match="cases must be among"):
+        checks.check_1f1b_valid(one_f_one_b, cases=("nope",))
+    with pytest.raises(ValueError, match="cases must be among"):
+        checks.check_1f1b_run(one_f_one_b, cases=("huge",))
