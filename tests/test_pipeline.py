@@ -242,6 +242,25 @@ def _generated_cases(p):
     return _parity(strategies)
 
 
+CFG9 = GPTConfig(vocab_size=32, block_size=8, n_layer=9, n_head=2, d_model=16)   # 9 layers: 4 or 8 stages, uneven
+
+
+def _four_ranks():
+    """p = 4: m = 8, and m = 6 (not a multiple of p); interleaving's 8 stages over 9 layers."""
+    cases = {"gpipe m=8": (schedules.gpipe(4, 8), 8, 1), "1f1b m=6": (schedules.one_f_one_b(4, 6), 6, 1),
+             "zb_h1 m=6": (schedules.zb_h1(4, 6), 6, 1),
+             "interleaved_1f1b v=2 m=8": (schedules.interleaved_1f1b(4, 8, 2), 8, 2)}
+    return check_parity(lambda: GPT(CFG9, seed=0), {n: _pipeline(*c) for n, c in cases.items()},
+                        [token_batch(CFG9, 8, seed=s) for s in range(STEPS)], lm_loss, adamw, tolerance=ONE_PROCESS,
+                        split=whole_batch)
+
+
+def test_four_ranks_up_to_eight_micro_batches_match_one_process():
+    report = launch(_four_ranks, 4, timeout=180)[0]
+    assert report.steps == STEPS and report.worst("ranks") == 0.0
+    print(f"p=4: largest difference vs one process {report.worst('single'):.1e}")
+
+
 def _torch_references():
     """Each generated schedule beside torch's own schedule of the same name (m = 4: B/m whole, as torch's 1/m needs)."""
     from torch.distributed.pipelining import ScheduleGPipe, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble
