@@ -209,6 +209,15 @@ def test_a_compute_only_schedule_gets_the_messages_of_with_communication():
     assert rank_actions(alone, 0, 1, 2) == alone[0]
 
 
+def test_a_schedule_that_would_deadlock_is_refused_before_anything_runs():
+    # rank 0 waits for 1B0 before sending 0F1; rank 1 needs 0F1 before it can reach 1B0
+    stuck = {0: [F(0, 0), Bk(0, 0), F(0, 1), Bk(0, 1)], 1: [F(1, 0), F(1, 1), Bk(1, 0), Bk(1, 1)]}
+    with pytest.raises(ValueError, match=r"deadlock.*rank 0, step 1: 0B0 needs 1B0"):
+        rank_actions(stuck, 0, 2, 2, microbatches=2)
+    with pytest.raises(ValueError, match=r"stage 1 never runs 1B0 .*add it to rank 1.s list"):
+        rank_actions({0: [F(0, 0), Bk(0, 0)], 1: [F(1, 0)]}, 1, 2, 2, microbatches=1)     # 1B0 is missing
+
+
 # --------------------------------------------------------------------------- parity on real ranks
 def _parity_cases(p):
     from torch.distributed.pipelining import Schedule1F1B

@@ -42,6 +42,7 @@ import torch.nn as nn
 from dtcourse.pipeline.actions import Action, Schedule
 from dtcourse.pipeline.partition import rank_of_stage
 from dtcourse.pipeline.schedules import with_communication
+from dtcourse.pipeline.validate import validate
 from dtcourse.runtime.timeline import Timeline
 
 __all__ = ["PipelineExecutor", "PipelineParallel", "run_schedule", "rank_actions", "SPAN_KINDS"]
@@ -52,8 +53,16 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 BoundaryShape = Callable[[int, torch.Tensor], Sequence[int]]   # (stage, micro-batch input) -> its input's shape
 
 
-def rank_actions(schedule: Schedule, rank: int, n_ranks: int, n_stages: int) -> list[Action]:
-    """This rank's list of ``schedule``, with the messages ``schedules.with_communication`` places if it has none."""
+def rank_actions(schedule: Schedule, rank: int, n_ranks: int, n_stages: int,
+                 microbatches: int | None = None) -> list[Action]:
+    """This rank's list of ``schedule``, with the messages ``schedules.with_communication`` places if it has none.
+
+    With ``microbatches``, the whole schedule is validated first (``validate``, in this executor's
+    model: sends complete at the end of the step), so a schedule that would deadlock or skip an
+    action is refused, with the rank, step and action, before any rank runs it.
+    """
+    if microbatches is not None and any(schedule.values()):
+        validate(schedule, n_ranks, microbatches, n_stages // n_ranks, blocking=False)
     if n_ranks == 1 or any(not a.is_compute for acts in schedule.values() for a in acts):
         return list(schedule.get(rank, []))
     if not any(schedule.values()):
@@ -284,7 +293,7 @@ def run_schedule(executor: PipelineExecutor, schedule: Schedule, x: torch.Tensor
                  loss_fn: LossFn, n_microbatches: int, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
     """One training step: clear the gradients, run this rank's part of ``schedule``, then the optimizer's step."""
     optimizer.zero_grad(set_to_none=True)
-    actions = rank_actions(schedule, executor.rank, executor.n_ranks, executor.n_stages)
+    actions = rank_actions(schedule, executor.rank, executor.n_ranks, executor.n_stages, n_microbatches)
     out = executor.run(actions, x, y, loss_fn, n_microbatches)
     with executor.timeline.span("optimizer", "step"):
         optimizer.step()
@@ -302,7 +311,7 @@ class PipelineParallel:
                  n_microbatches: int, optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
                  boundary_shape: BoundaryShape, **options):
         self.executor = ex = PipelineExecutor(stages, n_stages, boundary_shape, **options)
-        self.actions, self.m = rank_actions(schedule, ex.rank, ex.n_ranks, n_stages), n_microbatches
+        self.actions, self.m = rank_actions(schedule, ex.rank, ex.n_ranks, n_stages, n_microbatches), n_microbatches
         self.optimizer = optimizer([p for stage in stages.values() for p in stage.parameters()])
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn) -> torch.Tensor | None:
