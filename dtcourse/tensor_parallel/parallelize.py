@@ -1,0 +1,161 @@
+"""``parallelize``: a plain ``dtcourse.models.GPT`` turned into its tensor-parallel form, in place.
+
+Megatron's layout (Shoeybi et al., arXiv 1909.08053, section 3), applied in a fixed order:
+
+1. embeddings: ``wte`` vocab-parallel (``g`` sums the ranks' lookups); ``wpe`` replicated;
+2. every block: attention's ``c_attn`` column-parallel with q, k and v each split by heads (rank r keeps
+   heads ``[r nh/t, (r+1) nh/t)``, so attention needs no communication), ``c_proj`` row-parallel; the MLP's
+   ``c_fc`` column-parallel, ``c_proj`` row-parallel: one all-reduce forward and one backward each;
+3. the LM head column-parallel along the vocabulary, its logits left split for
+   ``vocab_parallel_lm_loss``: the full (B, T, V) logits never exist on one rank.
+
+With ``sequence_parallel=True`` (Korthikanti et al., arXiv 2205.05198, section 4.2.2) the LayerNorms, the
+dropouts and the residual stream hold ``T/t`` positions per rank: an all-gather before each column layer,
+a reduce-scatter after each row layer and after the embedding, the same bytes as the all-reduces. The
+LayerNorm weights, the row layers' biases and ``wpe`` are replicated but each rank sees only its positions,
+so their gradients are partial sums: ``all_reduce_sequence_parallel_grads`` sums them after backward.
+
+Example, on every rank of ``group``::
+
+    tp = TensorParallel(GPT(cfg, seed=0), group, lambda ps: torch.optim.AdamW(ps), sequence_parallel=True)
+    logits = tp.forward_backward(idx, targets, lm_loss); tp.step()
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from dtcourse.models import GPT, lm_loss
+from dtcourse.tensor_parallel.communications import Traffic
+from dtcourse.tensor_parallel.layers import (
+    ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, _replicated, check_divides, gather_shards,
+    vocab_parallel_cross_entropy)
+
+__all__ = ["parallelize", "vocab_parallel_lm_loss", "all_reduce_sequence_parallel_grads", "TensorParallel",
+           "PositionShard"]
+
+
+class PositionShard(nn.Module):
+    """Sequence parallelism's position embedding: this rank's ``T/t`` rows of the full, replicated table."""
+
+    def __init__(self, full: nn.Embedding, group: dist.ProcessGroup | None):
+        super().__init__()
+        self.group = group
+        self.weight = _replicated(full.weight, sequence_parallel=True)     # (block_size, C)
+
+    def forward(self, pos: torch.Tensor) -> torch.Tensor:
+        t, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        if pos.shape[0] % t:
+            raise ValueError(f"sequence parallelism splits the sequence of length {pos.shape[0]} over {t} ranks; "
+                             f"use a sequence length divisible by {t}.")
+        return F.embedding(pos.chunk(t)[rank], self.weight)               # (T/t, C)
+
+
+def parallelize(gpt: GPT, group: dist.ProcessGroup | None = None, sequence_parallel: bool = False,
+                traffic: Traffic | None = None) -> GPT:
+    """Replace ``gpt``'s layers by their tensor-parallel shards (in place; returns ``gpt``).
+
+    Every rank of ``group`` must call it on the same full model (built from one seed). ``traffic`` logs each
+    collective under its layer: ``"wte"``, ``"blocks.i"``, ``"lm_head"``, ``"loss"``.
+    """
+    cfg, t = gpt.config, dist.get_world_size(group)
+    check_divides(t, cfg.n_head, "number of heads")
+    check_divides(t, 4 * cfg.d_model, "hidden size")
+    check_divides(t, cfg.vocab_size, "vocabulary size")
+    sp = dict(sequence_parallel=sequence_parallel, traffic=traffic)
+    # 1. embeddings
+    gpt.wte = VocabParallelEmbedding(gpt.wte, group, where="wte", **sp)
+    if sequence_parallel:
+        gpt.wpe = PositionShard(gpt.wpe, group)
+    # 2. blocks: heads split, MLP column then row
+    for i, block in enumerate(gpt.blocks):
+        attn, mlp, where = block.attn, block.mlp, f"blocks.{i}"
+        attn.c_attn = ColumnParallelLinear(attn.c_attn, group, parts=3, where=where, **sp)   # q, k, v by heads
+        attn.c_proj = RowParallelLinear(attn.c_proj, group, where=where, **sp)
+        attn.n_head = cfg.n_head // t                      # core() sees this rank's heads only
+        mlp.c_fc = ColumnParallelLinear(mlp.c_fc, group, where=where, **sp)
+        mlp.c_proj = RowParallelLinear(mlp.c_proj, group, where=where, **sp)
+        for ln in (block.ln_1, block.ln_2):
+            _mark_sequence_parallel(ln, sequence_parallel)
+    # 3. the head, split along the vocabulary
+    _mark_sequence_parallel(gpt.ln_f, sequence_parallel)
+    gpt.lm_head = ColumnParallelLinear(gpt.lm_head, group, where="lm_head", **sp)
+    return gpt
+
+
+def _mark_sequence_parallel(module: nn.Module, sequence_parallel: bool) -> None:
+    for p in module.parameters():
+        p.sequence_parallel = sequence_parallel
+
+
+def vocab_parallel_lm_loss(logits: torch.Tensor, targets: torch.Tensor, group: dist.ProcessGroup | None,
+                           traffic: Traffic | None = None) -> torch.Tensor:
+    """``lm_loss`` from this rank's logits (B, T, V/t): the mean of ``vocab_parallel_cross_entropy``."""
+    vocab_start = dist.get_rank(group) * logits.shape[-1]
+    return vocab_parallel_cross_entropy(logits, targets, vocab_start, group, traffic).mean()
+
+
+def all_reduce_sequence_parallel_grads(model: nn.Module, group: dist.ProcessGroup | None,
+                                       traffic: Traffic | None = None) -> None:
+    """Sum, over the group, the gradients of the replicated parameters that saw only a sequence shard.
+
+    Megatron's ``allreduce_layernorm_grads``; forgetting it leaves each rank with its own LayerNorm
+    weights, a silent divergence. One all-reduce of the flattened gradients.
+    """
+    grads = [p.grad for p in model.parameters() if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)                  # sends 2(t-1)/t * flat.nbytes per rank
+    if traffic is not None:
+        traffic.add("all_reduce", "sequence_parallel_grads", "backward", flat, dist.get_world_size(group))
+    for g, summed in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(summed.view_as(g))
+
+
+def _full(p: torch.Tensor, value: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    if hasattr(p, "tp_dim"):
+        return gather_shards(value, p.tp_dim, p.tp_parts, group)
+    return value.detach()
+
+
+class TensorParallel:
+    """``dtcourse.parity.Parallel`` for ``parallelize``: every rank trains on the whole batch.
+
+    ``forward_backward`` replaces ``lm_loss`` by ``vocab_parallel_lm_loss``; it returns the full logits,
+    gathered (detached) only so the parity harness can compare them. ``traffic`` logs every collective.
+    """
+
+    def __init__(self, model: GPT, group: dist.ProcessGroup | None,
+                 optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
+                 sequence_parallel: bool = False, traffic: Traffic | None = None):
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.traffic = Traffic() if traffic is None else traffic
+        self.model = parallelize(model, group, sequence_parallel, self.traffic)
+        self.optimizer = optimizer(self.model.parameters())   # this rank's shards: AdamW is elementwise
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, loss_fn=lm_loss) -> torch.Tensor:
+        if loss_fn is not lm_loss:
+            raise ValueError("TensorParallel trains with lm_loss (computed vocab-parallel); got another loss_fn.")
+        logits = self.model(x)                                                  # (B, T, V/t)
+        vocab_parallel_lm_loss(logits, y, self.group, self.traffic).backward()
+        if self.sequence_parallel:
+            all_reduce_sequence_parallel_grads(self.model, self.group, self.traffic)
+        return gather_shards(logits.detach(), logits.dim() - 1, 1, self.group)  # (B, T, V), for the check only
+
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        return {n: _full(p, p.grad, self.group) for n, p in self.model.named_parameters() if p.grad is not None}
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        return {n: _full(p, p, self.group) for n, p in self.model.named_parameters()}
+
+    def step(self) -> None:
+        self.optimizer.step()
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)

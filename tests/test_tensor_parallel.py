@@ -1,0 +1,214 @@
+"""Tensor and sequence parallelism: parity with one process at t = 1, 2, 3, 4, with and without sequence
+parallelism; against PyTorch's DTensor plan (ColwiseParallel, RowwiseParallel, SequenceParallel,
+loss_parallel) at t = 2; the bytes each layer sends against the formula; the errors.
+
+Every case of one world size runs inside one launch, so the file stays fast on 2 cores.
+"""
+
+import functools
+
+import pytest
+import torch
+import torch.nn as nn
+
+from dtcourse import RankError, launch
+from dtcourse.models import GPT, GPTConfig, lm_loss, token_batch
+from dtcourse.parity import Tolerance, check_parity, whole_batch
+from dtcourse.tensor_parallel import ColumnParallelLinear, TensorParallel, Traffic, check_divides
+
+# d_model 48, 6 heads, vocabulary 48, 4 d_model = 192, sequence 12: every size divides by 1, 2, 3 and 4
+# except the heads at t = 4, so t = 4 uses CFG4.
+CFG = GPTConfig(vocab_size=48, block_size=12, n_layer=2, n_head=6, d_model=48)
+CFG4 = GPTConfig(vocab_size=48, block_size=12, n_layer=2, n_head=4, d_model=48)
+B, STEPS, LR = 4, 3, 1e-3
+adamw = functools.partial(torch.optim.AdamW, lr=LR)
+# float32; `pytest -s` prints the largest differences measured.
+ONE_PROCESS = Tolerance(1e-5, 0, (
+    "the row layers' all-reduce sums t partial matmuls that one process sums in one, and the vocab-parallel "
+    "loss takes its max, sum of exponentials and target logit in another order than F.cross_entropy: "
+    "outputs and gradients differ by a few ulps (below 1e-6 measured). AdamW's first step is "
+    "lr * g / (|g| + eps) with eps = 1e-8, so where a gradient is ~eps (4e-8 in c_fc) a 1e-9 difference "
+    "moves that parameter by ~5e-6 (6.3e-6 at most measured, t = 3 with SP)"))
+TORCH = Tolerance(1e-5, 0, (
+    "DTensor's plan runs the same shards' matmuls; its all-reduces and loss_parallel's reductions may add in "
+    "another order: a few ulps, amplified by AdamW's first step as above"))
+
+
+def _batches(cfg):
+    return [token_batch(cfg, B, seed=s) for s in range(STEPS)]
+
+
+def _tp(sp, traffic=None):
+    return lambda model, group: TensorParallel(model, group, adamw, sequence_parallel=sp, traffic=traffic)
+
+
+def _parity_cases(cfg):
+    """Both layouts side by side against one process, each logging its traffic."""
+    logs = {False: Traffic(), True: Traffic()}
+    report = check_parity(lambda: GPT(cfg, seed=0), {"TP": _tp(False, logs[False]), "TP+SP": _tp(True, logs[True])},
+                          _batches(cfg), lm_loss, adamw, tolerance=ONE_PROCESS, split=whole_batch)
+    return report, logs
+
+
+@pytest.mark.parametrize("t", [1, 2, 3, 4])
+def test_matches_one_process(t):
+    cfg = CFG4 if t == 4 else CFG
+    report, logs = launch(_parity_cases, t, cfg, timeout=120)[0]    # check_parity raised in the ranks if not
+    assert report.steps == STEPS
+    if t > 1:
+        assert report.worst("ranks") == 0.0                          # every rank holds the same full tensors
+    print(f"t={t}: vs one process", report)
+
+
+def test_bytes_per_layer_match_the_formula():
+    t = 2
+    _, logs = launch(_parity_cases, t, CFG, timeout=120)[0]
+    tp, sp = logs[False], logs[True]
+    sbh, elt = B * CFG.block_size * CFG.d_model, 4          # s·b·h elements of float32
+    for i in range(CFG.n_layer):
+        layer = f"blocks.{i}"
+        for phase in ("forward", "backward"):
+            # Megatron: 2 all-reduces of s·b·h per layer forward (g after attention and after the MLP), 2 backward (f)
+            assert tp.total(where=layer, phase=phase, op="all_reduce") == STEPS * 2 * sbh
+            assert tp.total(where=layer, phase=phase) == STEPS * 2 * sbh
+            # sequence parallelism: 2 all-gathers and 2 reduce-scatters of s·b·h per layer and direction
+            assert sp.total(where=layer, phase=phase, op="all_gather") == STEPS * 2 * sbh
+            assert sp.total(where=layer, phase=phase, op="reduce_scatter") == STEPS * 2 * sbh
+            # ... which send the same bytes: 2 × 2(t-1)/t · s·b·h·4 per rank
+            want = STEPS * 2 * 2 * (t - 1) * sbh * elt // t
+            assert tp.total("sent", where=layer, phase=phase) == sp.total("sent", where=layer, phase=phase) == want
+    # the embedding's g forward; the head's f backward; the loss's 3 all-reduces of one number per token
+    assert tp.total(where="wte", phase="forward") == tp.total(where="lm_head", phase="backward") == STEPS * sbh
+    assert tp.total(where="loss") == sp.total(where="loss") == STEPS * 3 * B * CFG.block_size
+    # SP only: the LayerNorm weights and biases, row biases and wpe, all-reduced once per step
+    ln = CFG.n_layer * 2 * 2 * CFG.d_model + 2 * CFG.d_model + CFG.n_layer * 2 * CFG.d_model
+    assert sp.total(where="sequence_parallel_grads") == STEPS * (ln + CFG.block_size * CFG.d_model)
+    assert tp.total(where="sequence_parallel_grads") == 0
+
+
+# --------------------------------------------------------------------------- #
+# PyTorch's own tensor parallelism as a second reference
+# --------------------------------------------------------------------------- #
+class _QKV(nn.Module):
+    """c_attn as three linears, so that ColwiseParallel splits q, k and v each by heads, as torch's Llama plan."""
+
+    def __init__(self, c_attn: nn.Linear):
+        super().__init__()
+        self.q, self.k, self.v = (nn.Linear(c_attn.in_features, c_attn.out_features // 3) for _ in range(3))
+        for lin, w, b in zip((self.q, self.k, self.v), c_attn.weight.chunk(3), c_attn.bias.chunk(3)):
+            lin.weight.data.copy_(w), lin.bias.data.copy_(b)
+
+    def forward(self, x):
+        return torch.cat([self.q(x), self.k(x), self.v(x)], dim=-1)    # (B, T, 3C/t): this rank's heads
+
+
+class _TorchTP:
+    """``Parallel`` for ``parallelize_module`` on a CPU DeviceMesh, trained with ``loss_parallel``."""
+
+    def __init__(self, model, group, sp):
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                       SequenceParallel, parallelize_module)
+        t = torch.distributed.get_world_size(group)
+        mesh = DeviceMesh.from_group(group or torch.distributed.group.WORLD, "cpu")
+        seq = Shard(1) if sp else Replicate()          # the layout of the residual stream
+        plan = {"wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+                "ln_f": SequenceParallel() if sp else None,
+                "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)}
+        if sp:   # wte + wpe stays replicated; the first block cuts its sequence shard (no communication)
+            plan["blocks.0"] = PrepareModuleInput(input_layouts=Replicate(), desired_input_layouts=Shard(1),
+                                                  use_local_output=True)
+        for i, block in enumerate(model.blocks):
+            block.attn.c_attn = _QKV(block.attn.c_attn)
+            block.attn.n_head //= t
+            p = f"blocks.{i}."
+            plan.update({p + "ln_1": SequenceParallel() if sp else None, p + "ln_2": SequenceParallel() if sp else None,
+                         p + "attn.c_attn": PrepareModuleInput(input_layouts=seq, desired_input_layouts=Replicate()),
+                         p + "attn.c_attn.q": ColwiseParallel(), p + "attn.c_attn.k": ColwiseParallel(),
+                         p + "attn.c_attn.v": ColwiseParallel(), p + "attn.c_proj": RowwiseParallel(output_layouts=seq),
+                         p + "mlp.c_fc": ColwiseParallel(input_layouts=seq), p + "mlp.c_proj": RowwiseParallel(output_layouts=seq)})
+        self.model = parallelize_module(model, mesh, {k: v for k, v in plan.items() if v is not None})
+        self.optimizer = adamw(self.model.parameters())
+
+    def forward_backward(self, x, y, loss_fn):
+        from torch.distributed.tensor.parallel import loss_parallel
+        logits = self.model(x)                                             # DTensor (B, T, V), Shard(-1)
+        with loss_parallel():
+            lm_loss(logits, y).backward()
+        return logits.full_tensor().detach()
+
+    def _named(self, grads):
+        out = {}
+        for n, p in self.model.named_parameters():
+            v = p.grad if grads else p.detach()
+            if v is not None:
+                out[n] = v.full_tensor() if hasattr(v, "full_tensor") else v
+        for name in [n for n in out if ".c_attn.q." in n]:                 # q, k, v back into c_attn
+            out[name.replace(".q.", ".")] = torch.cat([out.pop(name.replace(".q.", f".{w}.")) for w in "qkv"])
+        return out
+
+    def full_gradients(self):
+        return self._named(True)
+
+    def full_parameters(self):
+        return self._named(False)
+
+    def step(self):
+        self.optimizer.step()
+
+    def zero_grad(self):
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+def _torch_cases():
+    return [check_parity(lambda: GPT(CFG, seed=0), _tp(sp), _batches(CFG), lm_loss, adamw, tolerance=ONE_PROCESS,
+                         reference=lambda m, g: _TorchTP(m, g, sp), reference_tolerance=TORCH, split=whole_batch)
+            for sp in (False, True)]
+
+
+def test_matches_pytorch_dtensor_plan():
+    reports = launch(_torch_cases, 2, timeout=120)[0]
+    for report in reports:
+        assert report.worst("ranks") == 0.0
+    print("vs DTensor (TP, TP+SP):", *reports, sep="\n")
+
+
+# --------------------------------------------------------------------------- #
+# Errors
+# --------------------------------------------------------------------------- #
+def test_check_divides_names_the_sizes_that_fit():
+    with pytest.raises(ValueError, match=r"tensor-parallel size 3 does not divide hidden size 64; use a "
+                                         r"tensor-parallel size among \[1, 2, 4, 8, 16\]"):
+        check_divides(3, 64, "hidden size")
+    check_divides(4, 64, "hidden size")
+
+
+def _bad_inputs():
+    errors = []
+    for make in (lambda: ColumnParallelLinear(nn.Linear(16, 64), None),                  # hidden size 64
+                 lambda: TensorParallel(GPT(CFG4, seed=0), None, adamw),                 # 4 heads
+                 lambda: TensorParallel(GPT(GPTConfig(vocab_size=32, n_head=3, d_model=48), seed=0), None, adamw),
+                 lambda: TensorParallel(GPT(CFG, seed=0), None, adamw, sequence_parallel=True).forward_backward(
+                     *token_batch(CFG, 2, seq_len=10), lm_loss)):                          # sequence 10
+        try:
+            make()
+        except ValueError as err:
+            errors.append(str(err))
+        else:
+            errors.append("no error")
+    return errors
+
+
+def test_bad_inputs_are_refused_clearly():
+    errors = launch(_bad_inputs, 3, timeout=60)[0]
+    assert errors[0].startswith("tensor-parallel size 3 does not divide hidden size 64; use")
+    assert errors[1].startswith("tensor-parallel size 3 does not divide number of heads 4; use")
+    assert errors[2].startswith("tensor-parallel size 3 does not divide vocabulary size 32; use")
+    assert "sequence of length 10 over 3 ranks; use a sequence length divisible by 3" in errors[3]
+
+
+def test_other_loss_is_refused():
+    with pytest.raises(RankError, match="trains with lm_loss"):
+        launch(lambda: TensorParallel(GPT(CFG, seed=0), None, adamw).forward_backward(
+            *token_batch(CFG, 2), torch.nn.functional.mse_loss), 2, timeout=60)
