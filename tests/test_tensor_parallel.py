@@ -212,3 +212,45 @@ def test_other_loss_is_refused():
     with pytest.raises(RankError, match="trains with lm_loss"):
         launch(lambda: TensorParallel(GPT(CFG, seed=0), None, adamw).forward_backward(
             *token_batch(CFG, 2), torch.nn.functional.mse_loss), 2, timeout=60)
+
+
+# --------------------------------------------------------------------------- #
+# Sequence parallelism's LayerNorm gradients, and the loss itself
+# --------------------------------------------------------------------------- #
+def _forgetful_and_loss():
+    import copy
+    import sys
+
+    from dtcourse.tensor_parallel import parallelize, vocab_parallel_lm_loss
+    x, y = token_batch(CFG, B)
+    serial = GPT(CFG, seed=0)
+    loss = lm_loss(serial(x), y)
+    parallel = parallelize(copy.deepcopy(serial), None)
+    loss_diff = (vocab_parallel_lm_loss(parallel(x), y, None) - loss).abs().item()
+    # Megatron's easy mistake: sum the row biases' partial gradients but forget the LayerNorms'
+    # (the module, from sys.modules: the package's name `parallelize` is the function)
+    tp_module = sys.modules["dtcourse.tensor_parallel.parallelize"]
+    all_reduce = tp_module.all_reduce_sequence_parallel_grads
+
+    def forget_layernorms(model, group, traffic=None):
+        norms = [p for m in model.modules() if isinstance(m, nn.LayerNorm) for p in m.parameters()]
+        for p in norms:
+            p.sequence_parallel = False
+        all_reduce(model, group, traffic)
+        for p in norms:
+            p.sequence_parallel = True
+
+    tp_module.all_reduce_sequence_parallel_grads = forget_layernorms    # in this rank's process only
+    try:
+        check_parity(lambda: GPT(CFG, seed=0), _tp(True), _batches(CFG), lm_loss, adamw, tolerance=ONE_PROCESS,
+                     split=whole_batch)
+    except AssertionError as err:
+        return loss_diff, str(err)
+    return loss_diff, "no error"
+
+
+def test_sequence_parallel_needs_layernorm_grads_all_reduced():
+    loss_diff, message = launch(_forgetful_and_loss, 2, timeout=60)[0]
+    # three reductions in another order than F.cross_entropy's: a few ulps of a loss near log(48) = 3.9
+    assert loss_diff < 1e-6
+    assert message.startswith("parity fails at step 1 of 3: gradient '") and "ln_" in message.split(" on ")[0], message
