@@ -219,8 +219,6 @@ def test_other_loss_is_refused():
 # --------------------------------------------------------------------------- #
 def _forgetful_and_loss():
     import copy
-    import sys
-
     from dtcourse.tensor_parallel import parallelize, vocab_parallel_lm_loss
     x, y = token_batch(CFG, B)
     serial = GPT(CFG, seed=0)
@@ -228,8 +226,7 @@ def _forgetful_and_loss():
     parallel = parallelize(copy.deepcopy(serial), None)
     loss_diff = (vocab_parallel_lm_loss(parallel(x), y, None) - loss).abs().item()
     # Megatron's easy mistake: sum the row biases' partial gradients but forget the LayerNorms'
-    # (the module, from sys.modules: the package's name `parallelize` is the function)
-    tp_module = sys.modules["dtcourse.tensor_parallel.parallelize"]
+    from dtcourse.tensor_parallel import gpt as tp_module
     all_reduce = tp_module.all_reduce_sequence_parallel_grads
 
     def forget_layernorms(model, group, traffic=None):
