@@ -254,20 +254,22 @@ def _generated_cases(p):
 CFG9 = GPTConfig(vocab_size=32, block_size=8, n_layer=9, n_head=2, d_model=16)   # 9 layers: 4 or 8 stages, uneven
 
 
-def _four_ranks():
-    """p = 4: m = 8, and m = 6 (not a multiple of p); interleaving's 8 stages over 9 layers."""
-    cases = {"gpipe m=8": (schedules.gpipe(4, 8), 8, 1), "1f1b m=6": (schedules.one_f_one_b(4, 6), 6, 1),
-             "zb_h1 m=6": (schedules.zb_h1(4, 6), 6, 1),
-             "interleaved_1f1b v=2 m=8": (schedules.interleaved_1f1b(4, 8, 2), 8, 2)}
+def _more_ranks(p):
+    """p = 3 and 4 on a 9-layer GPT: naive (one micro-batch), m = 8, m not a multiple of p, and interleaving's
+    2p stages over 9 layers."""
+    cases = {"naive": (schedules.naive(p), 1, 1), "gpipe m=8": (schedules.gpipe(p, 8), 8, 1),
+             "1f1b m=7": (schedules.one_f_one_b(p, 7), 7, 1), "zb_h1 m=7": (schedules.zb_h1(p, 7), 7, 1),
+             "interleaved_1f1b v=2": (schedules.interleaved_1f1b(p, 2 * p, 2), 2 * p, 2)}
     return check_parity(lambda: GPT(CFG9, seed=0), {n: _pipeline(*c) for n, c in cases.items()},
                         [token_batch(CFG9, 8, seed=s) for s in range(STEPS)], lm_loss, adamw, tolerance=ONE_PROCESS,
                         split=whole_batch)
 
 
-def test_four_ranks_up_to_eight_micro_batches_match_one_process():
-    report = launch(_four_ranks, 4, timeout=180)[0]
+@pytest.mark.parametrize("p", [3, 4])
+def test_more_ranks_up_to_eight_micro_batches_match_one_process(p):
+    report = launch(_more_ranks, p, p, timeout=180)[0]
     assert report.steps == STEPS and report.worst("ranks") == 0.0
-    print(f"p=4: largest difference vs one process {report.worst('single'):.1e}")
+    print(f"p={p}: largest difference vs one process {report.worst('single'):.1e}")
 
 
 def _torch_references():
