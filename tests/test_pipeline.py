@@ -334,3 +334,14 @@ def test_peak_micro_batches_held_and_chrome_trace(tmp_path):
     sends = {e["name"] for e in events if e["cat"] == "send" and e["pid"] == 0}
     assert sends == {f"0SEND_F{j}" for j in range(m)} and {e["tid"] for e in events if e["cat"] == "send"} == {1}
     assert trace == chrome_trace(recording)     # what was written is what chrome_trace builds
+
+
+def test_the_executor_plans_a_schedule_once_and_again_only_when_it_changes():
+    model = GPT(CFG, seed=0)
+    ex = PipelineExecutor(dict(enumerate(split_gpt(model, 2))), 2, gpt_boundary_shape(model))
+    alone = {0: [F(0, 0), F(1, 0), Bk(1, 0), Bk(0, 0)]}
+    first = ex.plan(alone, 1)
+    assert ex.plan(alone, 1) is first                           # the same schedule: not validated again
+    alone[0] = alone[0][:2]                                      # changed in place: planned (and refused) anew
+    with pytest.raises(ValueError, match="never runs 1B0"):
+        ex.plan(alone, 1)

@@ -63,12 +63,6 @@ LR = 1e-3
 Step = Callable[[torch.Tensor, torch.Tensor], None]     # (idx, targets): one training step
 
 
-def make_schedule(name: str, p: int, m: int) -> schedules.Schedule:
-    """The course's compute-only schedule ``name`` for p ranks and m micro-batches (v = ``CHUNKS[name]``)."""
-    make = schedules.SCHEDULES[name]
-    return make(p, m, CHUNKS[name]) if CHUNKS[name] > 1 else make(p, m)
-
-
 def _ours(name: str, model: GPT, m: int) -> tuple[Step, Timeline]:
     rank, p, v = dist.get_rank(), dist.get_world_size(), CHUNKS[name]
     stages = split_gpt(model, p * v)
@@ -76,7 +70,7 @@ def _ours(name: str, model: GPT, m: int) -> tuple[Step, Timeline]:
     timeline = Timeline(origin=0.0)                      # absolute perf_counter seconds: one clock for all ranks
     executor = PipelineExecutor(mine, p * v, gpt_boundary_shape(model), timeline=timeline)
     optimizer = torch.optim.AdamW([q for st in mine.values() for q in st.parameters()], lr=LR)
-    schedule = make_schedule(name, p, m)
+    schedule = schedules.build(name, p, m, CHUNKS[name])
 
     def step(idx: torch.Tensor, targets: torch.Tensor) -> None:
         timeline.restart(0.0)                            # keep this step's spans only
@@ -199,7 +193,7 @@ def measure(world_size: int, names: list[str] = list(SCHEDULE_NAMES), config: GP
         mean = row["mean_ms"]
         if "F" in mean and ("B" in mean or "I" in mean):
             t_b = mean["B"] if "B" in mean else mean["I"] + mean["W"]
-            row["simulated"] = simulate(make_schedule(name, world_size, microbatches), world_size, microbatches,
+            row["simulated"] = simulate(schedules.build(name, world_size, microbatches, CHUNKS[name]), world_size, microbatches,
                                         CHUNKS[name], mean["F"], t_b, mean.get("W")).bubble
         rows.append(row)
     return rows

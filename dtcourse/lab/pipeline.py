@@ -31,7 +31,7 @@ import torch.distributed as dist
 from dtcourse.lab.problems import Answer
 from dtcourse.lab.widgets import COLUMN_IN, FigureView, figure_widget
 from dtcourse.models import GPT, GPTConfig, lm_loss, token_batch
-from dtcourse.pipeline import (SCHEDULES, GPTStage, PipelineExecutor, balanced_partition, bubble_formula,
+from dtcourse.pipeline import (SCHEDULES, GPTStage, build, PipelineExecutor, balanced_partition, bubble_formula,
                                gpt_boundary_shape, peak_activations, run_schedule, simulate, split_gpt,
                                stages_of_rank, with_communication, write_chrome_trace)
 from dtcourse.runtime.launch import launch
@@ -53,13 +53,6 @@ COMPUTE_KINDS = {"forward": "F", "backward": "B", "backward_input": "I", "backwa
 KIND_COLOURS = {"F": "tab:blue", "B": "tab:orange", "I": "gold", "W": "tab:green"}
 GRID_M = (1, 2, 4, 8)
 adamw = torch.optim.AdamW
-
-
-def build(name: str, p: int, m: int, v: int = 1):
-    """The compute-only schedule ``name`` (a key of ``SCHEDULES``) for p ranks, m micro-batches, v chunks."""
-    if name == "naive":
-        return SCHEDULES[name](p)
-    return SCHEDULES[name](p, m, v) if name == "interleaved_1f1b" else SCHEDULES[name](p, m)
 
 
 # --------------------------------------------------------------------------- #

@@ -10,7 +10,8 @@
 """
 
 from dtcourse.pipeline.actions import COMMUNICATION, COMPUTE, KINDS, Action, Schedule
-from dtcourse.pipeline.schedules import SCHEDULES, gpipe, interleaved_1f1b, naive, one_f_one_b, with_communication, zb_h1
+from dtcourse.pipeline.schedules import (SCHEDULES, build, gpipe, interleaved_1f1b, naive, one_f_one_b,
+                                         with_communication, zb_h1)
 from dtcourse.pipeline.simulate import Prediction, bubble_formula, peak_activations, simulate
 from dtcourse.pipeline.validate import validate
 from dtcourse.pipeline.partition import GPTStage, balanced_partition, gpt_boundary_shape, split_gpt, stages_of_rank
@@ -18,7 +19,7 @@ from dtcourse.pipeline.execute import PipelineExecutor, PipelineParallel, rank_a
 from dtcourse.pipeline.trace import chrome_trace, write_chrome_trace
 
 __all__ = ["Action", "Schedule", "COMPUTE", "COMMUNICATION", "KINDS"]
-__all__ += ["naive", "gpipe", "one_f_one_b", "interleaved_1f1b", "zb_h1", "with_communication", "SCHEDULES"]
+__all__ += ["naive", "gpipe", "one_f_one_b", "interleaved_1f1b", "zb_h1", "with_communication", "SCHEDULES", "build"]
 __all__ += ["validate", "simulate", "Prediction", "bubble_formula", "peak_activations"]
 __all__ += ["balanced_partition", "split_gpt", "GPTStage", "gpt_boundary_shape", "stages_of_rank"]
 __all__ += ["PipelineExecutor", "PipelineParallel", "run_schedule", "rank_actions"]

@@ -103,6 +103,14 @@ class PipelineExecutor:
         self.peak_held: dict[int, int] = {}    # stage -> most micro-batches held at once in the last run
         self.peak_held_rank = 0                # the same, summed over this rank's stages
         self.loss = 0.0                        # the last run's global-batch loss (on the last stage's rank)
+        self._plan: tuple = (None, [])         # (the schedule and m it was made from, this rank's list)
+
+    def plan(self, schedule: Schedule, n_microbatches: int) -> list[Action]:
+        """This rank's validated list of ``schedule`` (``rank_actions``), worked out once while it stays the same."""
+        frozen = (n_microbatches, {r: tuple(acts) for r, acts in schedule.items()})
+        if self._plan[0] != frozen:           # validating and lowering is per schedule, not per step
+            self._plan = (frozen, rank_actions(schedule, self.rank, self.n_ranks, self.n_stages, n_microbatches))
+        return self._plan[1]
 
     # ------------------------------------------------------------------ one run of the list
     def run(self, actions: Sequence[Action], x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn,
@@ -293,8 +301,7 @@ def run_schedule(executor: PipelineExecutor, schedule: Schedule, x: torch.Tensor
                  loss_fn: LossFn, n_microbatches: int, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
     """One training step: clear the gradients, run this rank's part of ``schedule``, then the optimizer's step."""
     optimizer.zero_grad(set_to_none=True)
-    actions = rank_actions(schedule, executor.rank, executor.n_ranks, executor.n_stages, n_microbatches)
-    out = executor.run(actions, x, y, loss_fn, n_microbatches)
+    out = executor.run(executor.plan(schedule, n_microbatches), x, y, loss_fn, n_microbatches)
     with executor.timeline.span("optimizer", "step"):
         optimizer.step()
     return out
@@ -311,7 +318,7 @@ class PipelineParallel:
                  n_microbatches: int, optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
                  boundary_shape: BoundaryShape, **options):
         self.executor = ex = PipelineExecutor(stages, n_stages, boundary_shape, **options)
-        self.actions, self.m = rank_actions(schedule, ex.rank, ex.n_ranks, n_stages, n_microbatches), n_microbatches
+        self.actions, self.m = ex.plan(schedule, n_microbatches), n_microbatches
         self.optimizer = optimizer([p for stage in stages.values() for p in stage.parameters()])
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn) -> torch.Tensor | None:

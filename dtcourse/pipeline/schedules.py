@@ -20,7 +20,7 @@ from dtcourse.pipeline.actions import COMMUNICATION, Action, Schedule
 from dtcourse.pipeline.partition import rank_of_stage
 from dtcourse.runtime.refuse import reference
 
-__all__ = ["naive", "gpipe", "one_f_one_b", "interleaved_1f1b", "zb_h1", "with_communication", "SCHEDULES"]
+__all__ = ["naive", "gpipe", "one_f_one_b", "interleaved_1f1b", "zb_h1", "with_communication", "SCHEDULES", "build"]
 
 
 def _check(name: str, p: int, m: int) -> None:
@@ -134,6 +134,16 @@ def zb_h1(p: int, m: int) -> Schedule:
 
 SCHEDULES = {"naive": naive, "gpipe": gpipe, "1f1b": one_f_one_b,
              "interleaved_1f1b": interleaved_1f1b, "zb_h1": zb_h1}
+
+
+def build(name: str, p: int, m: int, v: int = 1) -> Schedule:
+    """The compute-only schedule ``name`` (a key of ``SCHEDULES``) for p ranks, m micro-batches, v chunks.
+
+    ``build("1f1b", 4, 8) == one_f_one_b(4, 8)``; naive ignores m, and only interleaving takes v.
+    """
+    if name == "naive":
+        return naive(p)
+    return interleaved_1f1b(p, m, v) if name == "interleaved_1f1b" else SCHEDULES[name](p, m)
 
 
 def _message(action: Action, p: int, n: int) -> tuple[Action, Action] | None:
