@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import time
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from dtcourse.bench import paired_ratio, step_times
 from dtcourse.data_parallel import DistributedDataParallel
 from dtcourse.runtime.launch import launch
 from dtcourse.models import GPT, GPTConfig, lm_loss, token_batch
@@ -88,11 +88,8 @@ def measure(world_size: int, variants: list[Variant], config: GPTConfig = DDP_GP
     out = launch(_time_rank, world_size, variants, config, batch_size, seq_len, warmup, steps, timeout=900)[0]
     rows = []
     for (strategy, cap), result in out.items():
-        q1, median, q3 = statistics.quantiles(result["times"], n=4) if len(result["times"]) > 1 \
-            else [result["times"][0]] * 3
-        rows.append({"world_size": world_size, "strategy": strategy, "cap": cap, "times": result["times"],
-                     "buckets": result["buckets"], "median_ms": 1e3 * median,
-                     "q1_ms": 1e3 * q1, "q3_ms": 1e3 * q3})
+        rows.append({"world_size": world_size, "strategy": strategy, "cap": cap, "buckets": result["buckets"],
+                     **step_times(result["times"])})
     return rows
 
 
@@ -104,8 +101,7 @@ def _ratios(row: dict, rows: list[dict], reference: str = TORCH) -> tuple[float,
     """Against ``reference`` at the same world size and cap: the ratio of the medians, and the median
     of the step-by-step ratios (the two steps of a pair ran back to back, so they saw the same load)."""
     ref = _find(rows, row["world_size"], reference, row["cap"])
-    paired = statistics.median(a / b for a, b in zip(row["times"], ref["times"]))
-    return row["median_ms"] / ref["median_ms"], paired
+    return row["median_ms"] / ref["median_ms"], paired_ratio(row["times"], ref["times"])
 
 
 def strategy_table(rows: list[dict], cap: float) -> str:

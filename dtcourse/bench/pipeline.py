@@ -43,6 +43,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from dtcourse.bench import paired_ratio, step_times
 from dtcourse.models import GPT, GPTConfig, lm_loss, token_batch
 from dtcourse.pipeline import schedules
 from dtcourse.pipeline.execute import PipelineExecutor, run_schedule
@@ -149,10 +150,6 @@ def _time_rank(names: list[str], config: GPTConfig, batch_size: int, seq_len: in
     return {"times": times, "steps": steps_of}
 
 
-def _quartiles(ts: list[float]) -> list[float]:
-    return statistics.quantiles(ts, n=4) if len(ts) > 1 else [ts[0]] * 3
-
-
 def _bubbles(steps: list[dict], p: int) -> dict:
     """Medians over the timed steps: the bubble, each rank's idle share, its parts, and each action's mean time."""
     def median_of(share) -> float:
@@ -184,10 +181,8 @@ def measure(world_size: int, names: list[str] = list(SCHEDULE_NAMES), config: GP
         row = {"world_size": world_size, "schedule": name, "torch_class": TORCH_SCHEDULE[name],
                "chunks": CHUNKS[name], "microbatches": microbatches}
         for engine in ENGINES:
-            ts = out["times"][(name, engine)]
-            q1, median, q3 = _quartiles(ts)
-            row[engine] = {"times": ts, "median_ms": 1e3 * median, "q1_ms": 1e3 * q1, "q3_ms": 1e3 * q3}
-        row["ratio"] = statistics.median(a / b for a, b in zip(row["dtcourse"]["times"], row["torch"]["times"]))
+            row[engine] = step_times(out["times"][(name, engine)])
+        row["ratio"] = paired_ratio(row["dtcourse"]["times"], row["torch"]["times"])
         row.update(_bubbles(out["steps"][name], world_size))
         row["formula"] = bubble_formula(name, world_size, microbatches, CHUNKS[name])
         mean = row["mean_ms"]

@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import statistics
 import time
 from typing import Callable
 
@@ -48,6 +47,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from dtcourse.bench import paired_ratio, step_times
 from dtcourse.models import DDP_GPT, GPT, GPTConfig, lm_loss, token_batch
 from dtcourse.runtime.launch import launch
 
@@ -153,11 +153,9 @@ def measure(world_size: int, variants: list[str] = list(VARIANTS), config: GPTCo
     psi_root = psi - sum(p.numel() for p in model.blocks.parameters())
     rows = []
     for v, result in out.items():
-        ts = result["times"]
-        q1, median, q3 = statistics.quantiles(ts, n=4) if len(ts) > 1 else [ts[0]] * 3
         sent, collectives = result["sent"]
-        rows.append({"world_size": world_size, "variant": v, "times": ts, "median_ms": 1e3 * median,
-                     "q1_ms": 1e3 * q1, "q3_ms": 1e3 * q3, "sent": sent, "collectives": collectives,
+        rows.append({"world_size": world_size, "variant": v, **step_times(result["times"]), "sent": sent,
+                     "collectives": collectives,
                      "formula": 4 * (SENT_FACTOR[v] * psi - (psi_root if v in KEEPS_ROOT else 0))
                                 * (world_size - 1) / world_size})
     return rows
@@ -168,7 +166,7 @@ def paired(row: dict, rows: list[dict], reference: str) -> float | None:
     ref = next((r for r in rows if (r["world_size"], r["variant"]) == (row["world_size"], reference)), None)
     if ref is None:
         return None
-    return statistics.median(a / b for a, b in zip(row["times"], ref["times"]))
+    return paired_ratio(row["times"], ref["times"])
 
 
 def table(rows: list[dict]) -> str:
