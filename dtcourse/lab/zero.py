@@ -24,6 +24,7 @@ not in the paper's table: they are measured, each at its own peak over the step,
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from dataclasses import dataclass
@@ -42,7 +43,7 @@ from dtcourse.models import MLP, regression_batch
 from dtcourse.offload import OffloadedOptimizer
 from dtcourse.runtime.launch import launch
 from dtcourse.runtime.timeline import Recording, Span, Timeline, merge, shared_origin
-from dtcourse.zero import STAGES, Collective, ZeRO, default_units, paper_bytes
+from dtcourse.zero import STAGES, Collective, ModelStateBytes, ZeRO, default_units, paper_bytes
 
 if TYPE_CHECKING:
     import ipywidgets
@@ -122,9 +123,10 @@ def traffic_formula(stage: int, padded: int, world: int, param_bytes: int = 2, g
 # --------------------------------------------------------------------------- #
 # Measured: memory by kind
 # --------------------------------------------------------------------------- #
-@dataclass(frozen=True)
-class RankMemory:
-    """One rank's measured bytes by kind after a step (``ZeRO.memory()`` plus activations saved in forward)."""
+@dataclass(frozen=True, kw_only=True)
+class RankMemory(ModelStateBytes):
+    """One rank's measured bytes by kind after a step: ``ZeRO.memory()`` (the fields it inherits), the run
+    it came from, and the activations its forward saved."""
 
     world: int
     rank: int
@@ -136,18 +138,8 @@ class RankMemory:
     psi: int                 # parameters, unpadded
     padded: int              # Ψ after padding each unit to a multiple of N
     units: int               # flat vectors, each with one Adam step counter
-    parameters: int
-    gradients: int
-    optimizer_states: int
-    gathered: int
-    buckets: int
-    padding: int
     activations: int
     offload: bool = False    # the optimizer on the host (dtcourse.offload): its states leave the device
-
-    @property
-    def model_states(self) -> int:
-        return self.parameters + self.gradients + self.optimizer_states
 
     @property
     def paper(self) -> float:
@@ -213,9 +205,10 @@ def _memory_rank(configs: list[tuple[int, str, bool, bool]], sizes: tuple[int, .
         model.reset_peaks()
         saved = _step(model, x, y)
         m, flats = model.memory(), [f for u in model.units for f in u.flats]
-        out.append(RankMemory(world, rank, stage, optimizer, mixed, tuple(sizes), rows, sum(f.numel for f in flats),
-                              sum(f.padded for f in flats), len(flats), m.parameters, m.gradients,
-                              m.optimizer_states, m.gathered, m.buckets, m.padding, saved, offload))
+        out.append(RankMemory(**dataclasses.asdict(m), world=world, rank=rank, stage=stage, optimizer=optimizer,
+                              mixed=mixed, sizes=tuple(sizes), rows=rows, psi=sum(f.numel for f in flats),
+                              padded=sum(f.padded for f in flats), units=len(flats), activations=saved,
+                              offload=offload))
     return out
 
 
