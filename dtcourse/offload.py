@@ -27,12 +27,13 @@ each way and the seconds spent in transfers, disk and the optimizer.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import torch
 import torch.nn as nn
@@ -145,16 +146,13 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 for k, t in self.inner.state.get(h, {}).items()
                 if isinstance(t, torch.Tensor) and (t.numel() > 1 or id(t) in self._swapped)]
 
-    def _timed(self, kind: str):
-        stats = self.stats
-
-        class _Timer:
-            def __enter__(self):
-                self.start = time.perf_counter()
-
-            def __exit__(self, *exc):
-                stats.seconds[kind] += time.perf_counter() - self.start
-        return _Timer()
+    @contextlib.contextmanager
+    def _timed(self, kind: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.stats.seconds[kind] += time.perf_counter() - start
 
     # ------------------------------------------------------------------ #
     @torch.no_grad()
