@@ -18,7 +18,7 @@ import torch.nn as nn
 from dtcourse import launch
 from dtcourse.models import GPT, GPTConfig, lm_loss, token_batch
 from dtcourse.parity import Tolerance, check_parity, whole_batch
-from dtcourse.pipeline import Action, schedules, validate
+from dtcourse.pipeline import Action, schedules, validate, without_steps
 from dtcourse.pipeline.execute import PipelineExecutor, PipelineParallel, rank_actions, run_schedule
 from dtcourse.pipeline.simulate import peak_activations
 from dtcourse.pipeline.partition import balanced_partition, gpt_boundary_shape, split_gpt, stages_of_rank
@@ -198,6 +198,49 @@ def test_incomplete_lists_are_refused():
         ex.run([F(0, 0), F(1, 0)], idx, targets, lm_loss, 1)
     with pytest.raises(RuntimeError, match="runs before 1I0"):
         ex.run([F(0, 0), F(1, 0), Action(1, "W", 0)], idx, targets, lm_loss, 1)
+
+
+def test_the_schedules_step_actions_update_each_stage_once_like_one_optimizer():
+    """interleaved 1F1B on one rank with v = 3: STEPs 2, 1, 0 at the end. One optimizer per stage, or one
+    for the rank stepped at its last STEP, or torch's way (no STEP, step after the list): the same weights."""
+    idx, targets = token_batch(CFG, 4)
+    schedule = schedules.interleaved_1f1b(1, 4, 3)
+    assert [str(a) for a in schedule[0][-3:]] == ["2STEP", "1STEP", "0STEP"]
+    finals = []
+    for how in ("per stage", "one", "after the list"):
+        model = GPT(CFG, seed=0)
+        stages = dict(enumerate(split_gpt(model, 3)))
+        ex = PipelineExecutor(stages, 3, gpt_boundary_shape(model))
+        if how == "per stage":
+            opt = {s: adamw(stage.parameters()) for s, stage in stages.items()}
+        else:
+            opt = adamw(model.parameters())
+        plan = schedule if how != "after the list" else without_steps(schedule)
+        for _ in range(2):
+            run_schedule(ex, plan, idx, targets, lm_loss, 4, opt)
+        names = [sp.name for sp in ex.timeline.spans if sp.kind == "optimizer"]
+        assert names == (["2STEP", "1STEP", "0STEP"] * 2 if how != "after the list" else ["step"] * 2)
+        finals.append(torch.cat([q.detach().flatten() for q in model.parameters()]))
+    reference = GPT(CFG, seed=0)
+    opt = adamw(reference.parameters())
+    for _ in range(2):
+        opt.zero_grad()
+        lm_loss(reference(idx), targets).backward()
+        opt.step()
+    want = torch.cat([q.detach().flatten() for q in reference.parameters()])
+    assert torch.equal(finals[0], finals[1]) and torch.equal(finals[1], finals[2])
+    assert (finals[0] - want).abs().max() < 1e-5
+
+
+def test_a_step_needs_an_optimizer_and_a_finished_stage():
+    model = GPT(CFG, seed=0)
+    ex = PipelineExecutor(dict(enumerate(split_gpt(model, 2))), 2, gpt_boundary_shape(model))
+    idx, targets = token_batch(CFG, 2)
+    steps = [F(0, 0), F(1, 0), Bk(1, 0), Bk(0, 0), Action(1, "STEP"), Action(0, "STEP")]
+    with pytest.raises(ValueError, match=r"optimizer steps \(\['1STEP', '0STEP'\]\) but run\(\) got no step="):
+        ex.run(steps, idx, targets, lm_loss, 1)
+    with pytest.raises(RuntimeError, match=r"1STEP before stage 1's backward of micro-batch 0"):
+        ex.run([F(0, 0), F(1, 0), Action(1, "STEP"), Bk(1, 0), Bk(0, 0)], idx, targets, lm_loss, 1, step=print)
 
 
 def test_a_compute_only_schedule_gets_the_messages_of_with_communication():

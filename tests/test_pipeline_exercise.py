@@ -44,8 +44,8 @@ one_f_one_b = _notebook()["one_f_one_b"]
 # --------------------------------------------------------------------------- #
 # Wrong answers, each a student's plausible mistake
 # --------------------------------------------------------------------------- #
-def _1f1b(warmup, steady="FB", cooldown=True, cap=True):
-    """A 1F1B generator with the given warm-up count per (p, r), steady pair order, cool-down and cap."""
+def _1f1b(warmup, steady="FB", cooldown=True, cap=True, step=True):
+    """A 1F1B generator with the given warm-up count per (p, r), steady pair order, cool-down, cap and step."""
     def generate(p, m):
         out = {}
         for r in range(p):
@@ -56,7 +56,7 @@ def _1f1b(warmup, steady="FB", cooldown=True, cap=True):
                 ops += [pair[steady[0]], pair[steady[1]]]
             if cooldown:
                 ops += [Action(r, "B", j) for j in range(m - w, m)]
-            out[r] = ops
+            out[r] = ops + [Action(r, "STEP")] * step
         return out
     return generate
 
@@ -66,10 +66,16 @@ backward_first = _1f1b(lambda p, r: p - 1 - r, steady="BF")
 no_cool_down = _1f1b(lambda p, r: p - 1 - r, cooldown=False)
 uncapped = _1f1b(lambda p, r: p - 1 - r, cap=False)          # m < p: Action(r, "B", -1) raises
 warm_up_r = _1f1b(lambda p, r: r)                             # the wrong way round: a deadlock
+no_step = _1f1b(lambda p, r: p - 1 - r, step=False)            # valid (torch's kind), but not the whole step
 
 
 def gpipe_order(p, m):
-    return {r: [Action(r, "F", j) for j in range(m)] + [Action(r, "B", j) for j in range(m)] for r in range(p)}
+    return {r: [Action(r, "F", j) for j in range(m)] + [Action(r, "B", j) for j in range(m)] + [Action(r, "STEP")]
+            for r in range(p)}
+
+
+def step_first(p, m):
+    return {r: [Action(r, "STEP")] + acts[:-1] for r, acts in one_f_one_b(p, m).items()}
 
 
 def uncapped_forwards(p, m):
@@ -80,7 +86,7 @@ def uncapped_forwards(p, m):
         ops = [Action(r, "F", j) for j in range(w)]
         for j in range(max(0, m - w)):
             ops += [Action(r, "F", w + j), Action(r, "B", j)]
-        out[r] = ops + [Action(r, "B", j) for j in range(max(0, m - w), m)]
+        out[r] = ops + [Action(r, "B", j) for j in range(max(0, m - w), m)] + [Action(r, "STEP")]
     return out
 
 
@@ -126,7 +132,8 @@ def test_the_course_generator_is_marked_and_still_reads_as_itself():
     assert schedules.one_f_one_b.__dtcourse_reference__ == ("pipeline", "08")
     assert "warmup = min(p - 1 - r, m)" in inspect.getsource(schedules.one_f_one_b)
     assert schedules.one_f_one_b(2, 3)[0] == [Action(0, "F", 0), Action(0, "F", 1), Action(0, "B", 0),
-                                                Action(0, "F", 2), Action(0, "B", 1), Action(0, "B", 2)]
+                                                Action(0, "F", 2), Action(0, "B", 1), Action(0, "B", 2),
+                                                Action(0, "STEP")]
 
 
 # --------------------------------------------------------------------------- #
@@ -139,7 +146,7 @@ def test_a_warm_up_of_p_minus_r_runs_but_fails_order_and_memory():
     message = str(info.value)
     assert "one_f_one_b(4, 8), rank 0, step 4 (steady state): expected 0B0, found 0F4." in message, message
     assert "1F1B on rank 0: warm-up steps 0-2 (min(p-1-r, m) = 3 forwards), steady state steps 3-12 " \
-           "(F then B, 5 pairs), cool-down steps 13-15 (3 backwards)." in message, message
+           "(F then B, 5 pairs), cool-down steps 13-15 (3 backwards), the optimizer step at step 16." in message, message
     assert "yours:    [0F0, 0F1, 0F2, 0F3, 0F4, 0B0, 0F5," in message, message
     assert "Yours holds up to 5 micro-batches of activations on rank 0 (1F1B: min(p-r, m) = 4)" in message, message
     assert "hint: your warm-up runs p-r forwards on rank r, one too many" in message, message
@@ -164,6 +171,26 @@ def test_gpipe_order_runs_but_holds_every_micro_batch():
     with pytest.raises(AssertionError, match=r"rank 1: stage 1 held the activations of 4 micro-batches at once .*"
                                              r"min\(1, 4\) = 1 on rank 1.*\n.*hint: that is GPipe's order"):
         checks.check_1f1b_run(gpipe_order)
+
+
+def test_a_schedule_without_its_step_runs_but_is_not_the_whole_training_step():
+    checks.check_1f1b_valid(no_step)                       # torch's schedules leave the step out too
+    with pytest.raises(AssertionError) as info:
+        checks.check_1f1b_order(no_step)
+    message = str(info.value)
+    assert "one_f_one_b(4, 8), rank 0, step 16 (the optimizer step): expected 0STEP, found the end of the list." \
+        in message, message
+    assert "hint: your lists end without the optimizer step" in message, message
+    with pytest.raises(AssertionError, match=r"rank 0: stage 0's optimizer step ran 0 times: end rank 0's list with "
+                                             r"Action\(0, 'STEP'\), once.*\n.*hint: your lists end without"):
+        checks.check_1f1b_run(no_step)
+
+
+def test_a_step_before_the_backwards_cannot_run():
+    for check in (checks.check_1f1b_valid, checks.check_1f1b_run):
+        with pytest.raises(AssertionError, match=r"one_f_one_b\(\d, \d\) cannot run: rank 0, step 0: 0STEP updates "
+                                                 r"stage 0's weights before 0B0"):
+            check(step_first)
 
 
 # --------------------------------------------------------------------------- #

@@ -16,8 +16,9 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
 
-from dtcourse.pipeline import (Action, bubble_formula, gpipe, interleaved_1f1b, naive, one_f_one_b,
-                               peak_activations, simulate, validate, with_communication, zb_h1)
+from dtcourse.pipeline import (STEP, Action, bubble_formula, gpipe, interleaved_1f1b, naive, one_f_one_b,
+                               peak_activations, simulate, validate, with_communication, with_steps, without_steps,
+                               zb_h1)
 from dtcourse.runtime.launch import launch
 
 PS = (2, 3, 4)
@@ -37,7 +38,8 @@ def cases():
 
 
 def strings(schedule):
-    return {r: [str(a) for a in actions] for r, actions in schedule.items()}
+    """Each rank's actions as torch writes them, less the optimizer steps (torch's schedules hold none)."""
+    return {r: [str(a) for a in actions if not str(a).endswith(STEP)] for r, actions in schedule.items()}
 
 
 # --- torch's orders, from stand-in stages ---------------------------------------------------------
@@ -199,7 +201,8 @@ def test_with_communication_equals_torch_add_send_recv(p):
     for name, schedule, q, m, v in cases():
         if q != p:
             continue
-        torch_compute = {r: [torch_schedules._Action.from_str(str(a)) for a in schedule[r]] for r in range(p)}
+        torch_compute = {r: [torch_schedules._Action.from_str(str(a)) for a in without_steps(schedule)[r]]
+                         for r in range(p)}
         torch_comms = torch_schedules._add_send_recv(torch_compute, stage_to_rank=lambda s: s % p, num_stages=p * v)
         assert strings(with_communication(schedule, p, v)) == strings(torch_comms), (name, m)
 
@@ -211,7 +214,7 @@ def test_every_schedule_validates_with_and_without_communication():
         validate(schedule, p, m, v)
         comms = with_communication(schedule, p, v)
         validate(comms, p, m, v)
-        compute = [a for r in comms for a in comms[r] if a.is_compute]
+        compute = [a for r in comms for a in comms[r] if not a.is_communication]
         assert Counter(compute) == Counter(a for r in schedule for a in schedule[r])
         # one message each way per stage boundary and micro-batch, and every send received
         sends = sum(a.kind.startswith("SEND") for r in comms for a in comms[r])
@@ -288,7 +291,7 @@ def test_validator_rejects_a_missing_or_duplicated_action():
         validate(schedule, 3, 4)
     schedule = gpipe(2, 2)
     schedule[1].append(Action(1, "B", 0))
-    with pytest.raises(ValueError, match=r"^rank 1, step 4: 1B0 appears twice \(also at step 2\)"):
+    with pytest.raises(ValueError, match=r"^rank 1, step 5: 1B0 appears twice \(also at step 2\)"):
         validate(schedule, 2, 2)
     schedule = gpipe(2, 2)
     schedule[1].append(Action(2, "F", 0))
@@ -338,11 +341,11 @@ def test_validator_finds_a_deadlock_between_blocking_messages():
 def receive_before_send_after(schedule, p):
     """Each rank on its own: a receive just before the compute that needs it, a send just after."""
     def around(a):
+        if a.kind in ("W", STEP):
+            return [a]
         before = [Action(a.stage, "RECV_F" if a.kind == "F" else "RECV_B", a.microbatch)]
         after = [Action(a.stage, "SEND_F" if a.kind == "F" else "SEND_B", a.microbatch)]
         first, last = a.stage == 0, a.stage == max(b.stage for r in schedule for b in schedule[r])
-        if a.kind == "W":
-            return [a]
         if a.kind == "F":
             return before * (not first) + [a] + after * (not last)
         return before * (not last) + [a] + after * (not first)
@@ -363,6 +366,50 @@ def test_non_blocking_sends_accept_orders_that_blocking_sends_would_hang():
     with pytest.raises(ValueError, match=r"rank 0, step 2: 0B0 needs the message 1SEND_B0, which comes later on "
                                          r"rank 1 \(step 3, behind 1F0\)"):
         validate(hung, 2, 1, blocking=False)
+
+
+# --- the optimizer step is an action ------------------------------------------------------------------
+
+def test_every_schedule_ends_each_rank_with_its_stages_optimizer_steps():
+    """One STEP per stage, last on its rank, after the stage's last weight gradient (the flush)."""
+    for name, schedule, p, m, v in cases():
+        for r, actions in schedule.items():
+            stages = sorted({a.stage for a in actions if a.kind != STEP})
+            steps = [a for a in actions if a.kind == STEP]
+            assert actions[-len(steps):] == steps and sorted(a.stage for a in steps) == stages, (name, p, m, v, r)
+    assert interleaved_1f1b(2, 2, 2)[0][-2:] == [Action(2, STEP), Action(0, STEP)]   # stage 2's gradients are in first
+    assert with_steps({0: [Action(0, "F", 0), Action(0, "B", 0)]}) == {0: [Action(0, "F", 0), Action(0, "B", 0),
+                                                                          Action(0, STEP)]}
+
+
+def test_step_notation_parses_like_torchs_unshard():
+    assert str(Action(3, STEP)) == "3STEP" and Action.parse("3STEP") == Action(3, STEP)
+    with pytest.raises(ValueError, match=r"write Action\(0, 'STEP'\), without 2"):
+        Action(0, STEP, 2)
+    with pytest.raises(ValueError, match=r"F needs a micro-batch"):
+        Action(0, "F")
+
+
+def test_validator_places_the_step_after_the_flush_on_every_stage_or_none():
+    validate(without_steps(one_f_one_b(3, 4)), 3, 4)               # torch's kind: the caller steps
+    early = one_f_one_b(3, 4)
+    early[1].insert(early[1].index(Action(1, "B", 3)), early[1].pop())
+    with pytest.raises(ValueError, match=r"^rank 1, step 7: 1STEP updates stage 1's weights before 1B3 \(step 8\)"):
+        validate(early, 3, 4)
+    zb = zb_h1(2, 3)                                               # split backward: the W's are what the step needs
+    zb[0].insert(zb[0].index(Action(0, "W", 2)), zb[0].pop())
+    with pytest.raises(ValueError, match=r"0STEP updates stage 0's weights before 0W2"):
+        validate(zb, 2, 3)
+    partial = one_f_one_b(3, 4)
+    partial[2].pop()
+    with pytest.raises(ValueError, match=r"^stage 2 has no optimizer step, but stage 0 has one: add 2STEP to rank 2's"):
+        validate(partial, 3, 4)
+
+
+def test_a_timed_step_lengthens_the_simulated_step_and_shows_as_a_span():
+    base, timed = simulate(one_f_one_b(2, 2), 2, 2), simulate(one_f_one_b(2, 2), 2, 2, t_step=0.5)
+    assert timed.step == base.step + 0.5                       # rank 0 ends last; its step follows 0B1
+    assert [s.name for s in timed.timeline[0]][-1] == "0STEP" and "1STEP" not in [s.name for s in base.timeline[1]]
 
 
 # --- bad inputs say what to change -------------------------------------------------------------------

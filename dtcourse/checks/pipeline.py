@@ -1,7 +1,8 @@
 """Checks for exercise 08: a student's 1F1B schedule generator, ``one_f_one_b(p, m)``, as data.
 
-The student's function returns ``{rank: [Action, ...]}``, compute only, for p ranks and m
-micro-batches (``dtcourse.pipeline.actions``). Three checks, from the data to the ranks::
+The student's function returns ``{rank: [Action, ...]}`` for p ranks and m micro-batches
+(``dtcourse.pipeline.actions``): forwards and backwards, and last on each rank its optimizer step,
+``Action(r, "STEP")``; no messages. Three checks, from the data to the ranks::
 
     check_1f1b_valid(one_f_one_b, cases=("small",))
 
@@ -9,14 +10,14 @@ micro-batches (``dtcourse.pipeline.actions``). Three checks, from the data to th
   each stage's F and B once, each B after its F and after the next stage's B, no deadlock between
   the ranks, and still none once ``with_communication`` has added the sends and receives;
 * ``check_1f1b_order``: every rank's list is 1F1B's, action by action: p-1-r warm-up forwards
-  (capped at m), then one forward and one backward in turn, then the cool-down backwards. The first
+  (capped at m), then one forward and one backward in turn, then the cool-down backwards, then the step. The first
   difference is named by rank, step and phase, with the actions expected and found, what the
   student's order costs (micro-batches held, ``peak_activations``; simulated bubble, ``simulate``)
   and, for the usual mistakes, which one it is;
 * ``check_1f1b_run``: the schedule runs on p real ranks (``PipelineExecutor`` on a GPT cut into p
-  stages): it finishes, every stage's gradients equal one process's on the whole batch, and rank r
-  measured at most min(p - r, m) micro-batches of activations held at once: 1F1B's memory bound,
-  where GPipe holds m.
+  stages): it finishes, every stage's gradients equal one process's on the whole batch, its optimizer
+  step ran once, after them, and rank r measured at most min(p - r, m) micro-batches of activations
+  held at once: 1F1B's memory bound, where GPipe holds m.
 
 The student's code runs in child processes, so a loop that never ends fails after the timeout. While
 it runs, the course's ``one_f_one_b`` and torch's ``Schedule1F1B`` order refuse to run
@@ -37,7 +38,7 @@ import torch.distributed as dist
 from dtcourse.checks.common import (_as_student, _check_names, _launch_check, _refuse_library_code,
                                      _stop_at_first_failure, _student_error)
 from dtcourse.checks.guard import _switched_off, watching
-from dtcourse.pipeline.actions import COMMUNICATION, Action, Schedule
+from dtcourse.pipeline.actions import COMMUNICATION, STEP, Action, Schedule
 
 __all__ = ["check_1f1b_valid", "check_1f1b_order", "check_1f1b_run", "SCHEDULE_CASES", "RUN_CASES", "RUN_TOL"]
 
@@ -76,8 +77,9 @@ def _reference(p: int, m: int) -> Schedule:
     return one_f_one_b.__wrapped__(p, m)        # the check's own call, outside any refusal
 
 
-def _variant(p: int, m: int, warmup: Callable[[int], int], steady: str = "FB", cooldown: bool = True) -> Schedule:
-    """1F1B with another warm-up count per rank, the steady pair in another order, or no cool-down."""
+def _variant(p: int, m: int, warmup: Callable[[int], int], steady: str = "FB", cooldown: bool = True,
+             step: bool = True) -> Schedule:
+    """1F1B with another warm-up count per rank, the steady pair in another order, no cool-down or no step."""
     out = {}
     for r in range(p):
         w = max(0, min(warmup(r), m))
@@ -86,7 +88,7 @@ def _variant(p: int, m: int, warmup: Callable[[int], int], steady: str = "FB", c
             pair = {"F": Action(r, "F", w + j), "B": Action(r, "B", j)}
             ops += [pair[steady[0]], pair[steady[1]]]
         ops += [Action(r, "B", j) for j in range(m - w, m)] if cooldown else []
-        out[r] = ops
+        out[r] = ops + [Action(r, STEP)] * step
     return out
 
 
@@ -109,17 +111,24 @@ def _mistakes(p: int, m: int) -> list[tuple[str, Schedule]]:
          _variant(p, m, lambda r: p - 1 - r, steady="BF")),
         ("your schedule has no cool-down: after the steady state, rank r still owes the backwards of the "
          "min(p-1-r, m) micro-batches it warmed up with", _variant(p, m, lambda r: p - 1 - r, cooldown=False)),
+        ("your lists end without the optimizer step: once the cool-down has flushed every micro-batch, rank r "
+         "updates its stage's weights, Action(r, 'STEP'), last", _variant(p, m, lambda r: p - 1 - r, step=False)),
     ]
 
 
 def _which_mistake(got: Schedule, p: int, m: int, rank: int | None = None) -> str:
     """A hint naming the mistake ``got`` matches (on every rank, else on ``rank``), or ''."""
     mistakes, right = _mistakes(p, m), _reference(p, m)
-    for what, wrong in mistakes:
-        if wrong == got:
+
+    def strip(actions: Sequence[Action], k: int) -> list[Action]:    # the step matters to the last mistake only
+        return list(actions) if k == len(mistakes) - 1 else [a for a in actions if a.kind != STEP]
+
+    for k, (what, wrong) in enumerate(mistakes):
+        if all(strip(wrong[r], k) == strip(got.get(r, []), k) for r in range(p)):
             return f"\n    hint: {what}."
-    for what, wrong in mistakes:
-        if rank is not None and wrong[rank] != right[rank] and wrong[rank] == got.get(rank):
+    for k, (what, wrong) in enumerate(mistakes):
+        if rank is not None and strip(wrong[rank], k) != strip(right[rank], k) \
+                and strip(wrong[rank], k) == strip(got.get(rank, []), k):
             return f"\n    hint: {what}."
     return ""
 
@@ -142,6 +151,7 @@ def _phases(r: int, p: int, m: int) -> str:
     parts.append(f"steady state steps {w}-{w + steady - 1} (F then B, {m - w} pairs)" if steady
                  else "no steady state")
     parts.append(f"cool-down steps {w + steady}-{w + steady + w - 1} ({w} backwards)" if w else "no cool-down")
+    parts.append(f"the optimizer step at step {2 * m}")
     return ", ".join(parts)
 
 
@@ -149,7 +159,9 @@ def _phase_of(step: int, r: int, p: int, m: int) -> str:
     w = min(p - 1 - r, m)
     if step < w:
         return "warm-up"
-    return "steady state" if step < w + 2 * (m - w) else "cool-down"
+    if step < w + 2 * (m - w):
+        return "steady state"
+    return "cool-down" if step < 2 * m else "the optimizer step"
 
 
 def _show(actions: Sequence[Action], limit: int = 18) -> str:
@@ -177,7 +189,7 @@ def _as_schedule(got: object, p: int, m: int) -> tuple[Schedule | None, str | No
                 return None, (f"{call}[{r}][{i}] is {a!r} ({type(a).__name__}), not an Action: build each one "
                               f"with Action(stage, kind, micro-batch), for example Action({r}, 'F', 0)")
             if a.kind in COMMUNICATION:
-                return None, (f"rank {r}, step {i}: {a} is a message; one_f_one_b returns compute only (F and B), "
+                return None, (f"rank {r}, step {i}: {a} is a message; one_f_one_b returns F, B and STEP only, "
                               "and with_communication adds the sends and receives")
             if a.kind in ("I", "W"):
                 return None, (f"rank {r}, step {i}: {a} is half of a split backward (zero-bubble's); 1F1B runs "
@@ -222,7 +234,7 @@ def _invalid(schedule: Schedule, p: int, m: int) -> str | None:
         validate(schedule, p, m)
         validate(with_communication(schedule, p), p, m)
     except ValueError as error:
-        out_of_range = any(a.microbatch >= m for acts in schedule.values() for a in acts)
+        out_of_range = any((a.microbatch or 0) >= m for acts in schedule.values() for a in acts)
         hint = _cap_hint(p, m) if out_of_range else _which_mistake(schedule, p, m)
         return f"one_f_one_b({p}, {m}) cannot run: {error}{hint}"
     return None
@@ -348,7 +360,8 @@ def _run_case(fn: Callable, p: int, m: int, rank: int, progress: str) -> str | N
     built = _model(p, rank)
     x, y = token_batch(built.reference.config, _BATCH, seq_len=4, seed=m)
     executor = PipelineExecutor(built.stages, p, built.boundary)
-    executor.run(rank_actions(schedule, rank, p, p), x, y, lm_loss, m)
+    stepped: list[int] = []           # the stages whose optimizer step ran (the executor refuses one before a B)
+    executor.run(rank_actions(schedule, rank, p, p), x, y, lm_loss, m, step=stepped.append)
     lm_loss(built.reference(x), y).backward()                  # one process, the whole batch
     want = dict(built.reference.named_parameters())
     worst, where = 0.0, ""
@@ -362,6 +375,9 @@ def _run_case(fn: Callable, p: int, m: int, rank: int, progress: str) -> str | N
     if worst > RUN_TOL:
         return (f"stage {rank}'s gradients differ from one process's on the whole batch by up to {worst:.3g} "
                 f"(at {where!r}; tolerance {RUN_TOL:g}): each micro-batch must go forward and back once")
+    if stepped != [rank]:
+        return (f"stage {rank}'s optimizer step ran {len(stepped)} times: end rank {rank}'s list with "
+                f"Action({rank}, 'STEP'), once, after its last backward" + _which_mistake(schedule, p, m, rank))
     ideal = min(p - rank, m)
     if executor.peak_held_rank > ideal:
         return (f"stage {rank} held the activations of {executor.peak_held_rank} micro-batches at once (measured by "

@@ -369,13 +369,15 @@ def _freeze_rank(config: GPTConfig, rows: int, m: int, frozen: int, steps: int) 
     opt = adamw(trained, lr=1e-3)
     actions = with_communication(build("1f1b", 2, m), 2)[r]
 
-    def step() -> None:
-        opt.zero_grad(set_to_none=True)
-        ex.run(actions, x, targets[half], lm_loss, m)
+    def update(stage: int) -> None:             # the schedule's STEP: average over the data-parallel pair first
         for q in trained:                       # lesson 02's data parallelism, one all-reduce per parameter
             dist.all_reduce(q.grad, group=dp)   # sends 2(N-1)/N * nbytes per rank, N = 2
             q.grad /= 2
         opt.step()
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        ex.run(actions, x, targets[half], lm_loss, m, step=update)
     after = _timed_steps(step, steps)
     return {"before": before, "after": after, "trained": sum(q.numel() for q in trained)}
 

@@ -18,8 +18,12 @@ walks its own list once per training step:
   stage's rank. Consecutive ones are posted together with ``dist.batch_isend_irecv``; a receive is
   waited for only by the compute that needs it, and sends only at the end of the list, so a rank never
   blocks on a message before it has posted its own. ``run_schedule`` and ``PipelineParallel`` take a
-  whole schedule, and give a compute-only one its messages with ``schedules.with_communication``
+  whole schedule, and give one without messages its messages with ``schedules.with_communication``
   (one global order of messages, which cannot deadlock even where a send waits for its receive).
+* ``STEP`` runs the optimizer on one stage's parameters, where the schedule puts it (every generator:
+  last, once the stage's weight gradients are all in). ``run`` calls its ``step(stage)`` argument;
+  ``run_schedule`` takes one optimizer per stage, or one for the rank, which steps at its last STEP.
+  A schedule without STEPs (torch's kind) is stepped after the list.
 
 Every action is a span of ``self.timeline`` (``dtcourse.runtime.timeline``), so the bubble is measured on
 the real run; ``peak_held`` counts the micro-batches whose activations each stage held at once (m for
@@ -39,16 +43,17 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from dtcourse.pipeline.actions import Action, Schedule
+from dtcourse.pipeline.actions import STEP, Action, Schedule
 from dtcourse.pipeline.partition import rank_of_stage
 from dtcourse.pipeline.schedules import with_communication
 from dtcourse.pipeline.validate import validate
 from dtcourse.runtime.timeline import Timeline
 
-__all__ = ["PipelineExecutor", "PipelineParallel", "run_schedule", "rank_actions", "SPAN_KINDS"]
+__all__ = ["PipelineExecutor", "PipelineParallel", "run_schedule", "rank_actions", "stepper", "SPAN_KINDS"]
 
 SPAN_KINDS = {"F": "forward", "B": "backward", "I": "backward_input", "W": "backward_weight",
-              "SEND_F": "send", "SEND_B": "send", "RECV_F": "recv", "RECV_B": "recv", "wait": "wait"}
+              "SEND_F": "send", "SEND_B": "send", "RECV_F": "recv", "RECV_B": "recv", "wait": "wait",
+              STEP: "optimizer"}
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 BoundaryShape = Callable[[int, torch.Tensor], Sequence[int]]   # (stage, micro-batch input) -> its input's shape
 
@@ -63,7 +68,7 @@ def rank_actions(schedule: Schedule, rank: int, n_ranks: int, n_stages: int,
     """
     if microbatches is not None and any(schedule.values()):
         validate(schedule, n_ranks, microbatches, n_stages // n_ranks, blocking=False)
-    if n_ranks == 1 or any(not a.is_compute for acts in schedule.values() for a in acts):
+    if n_ranks == 1 or any(a.is_communication for acts in schedule.values() for a in acts):
         return list(schedule.get(rank, []))
     if not any(schedule.values()):
         return []
@@ -114,12 +119,16 @@ class PipelineExecutor:
 
     # ------------------------------------------------------------------ one run of the list
     def run(self, actions: Sequence[Action], x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn,
-            n_microbatches: int) -> torch.Tensor | None:
-        """Run the list on the global batch ``(x, y)`` cut into ``n_microbatches``; the last stage's outputs or None."""
+            n_microbatches: int, step: Callable[[int], None] | None = None) -> torch.Tensor | None:
+        """Run the list on the global batch ``(x, y)`` cut into ``n_microbatches``; the last stage's outputs or None.
+
+        ``step(stage)`` is called at each ``STEP`` action (it runs that stage's optimizer); a list with
+        STEPs needs it.
+        """
         if not 1 <= n_microbatches <= x.shape[0]:
             raise ValueError(f"PipelineExecutor.run: {n_microbatches} micro-batches of a {x.shape[0]}-row batch; "
                              f"use between 1 and {x.shape[0]}.")
-        alien = [str(a) for a in actions if a.stage not in self.stages or a.microbatch >= n_microbatches]
+        alien = [str(a) for a in actions if a.stage not in self.stages or (a.microbatch or 0) >= n_microbatches]
         if alien:
             raise ValueError(f"rank {self.rank}'s list names {alien[:4]}, but it holds stages {sorted(self.stages)} "
                              f"and there are {n_microbatches} micro-batches: give it only its own stages' actions.")
@@ -131,15 +140,19 @@ class PipelineExecutor:
         self.sends: list = []                                                   # (work, tensor) to finish
         self.outputs: dict[int, torch.Tensor] = {}
         self.count, self.peak_held, self.peak_held_rank, self.loss = {s: 0 for s in self.stages}, {}, 0, 0.0
-        if self.n_ranks > 1 and actions and all(a.is_compute for a in actions):
+        if step is None and any(a.kind == STEP for a in actions):
+            raise ValueError(f"rank {self.rank}'s list has optimizer steps ({[str(a) for a in actions if a.kind == STEP]}) "
+                             "but run() got no step=: pass step=lambda stage: optimizer.step(), or use run_schedule.")
+        self.step_fn = step
+        if self.n_ranks > 1 and actions and not any(a.is_communication for a in actions):
             raise ValueError(f"rank {self.rank}'s list has no SEND/RECV actions, but its stages exchange data with "
                              "other ranks: pass rank_actions(schedule, rank, p, p * v), or run_schedule with the "
                              "whole schedule, which add them.")
         todo = list(actions)
         batch: list[Action] = []
         for a in todo:
-            if not a.is_compute:
-                batch.append(a)              # posted together, just before the next compute
+            if a.is_communication:
+                batch.append(a)              # posted together, just before the next compute or step
                 continue
             self._post(batch)
             batch = []
@@ -213,6 +226,14 @@ class PipelineExecutor:
                 if g is not None:
                     p.grad = g if p.grad is None else p.grad.add_(g)
         self.count[a.stage] -= 1
+
+    def _STEP(self, a: Action) -> None:
+        unfinished = sorted(j for s, j in self.held if s == a.stage)
+        if unfinished:
+            raise RuntimeError(f"rank {self.rank}: {a} before stage {a.stage}'s backward of micro-batch {unfinished[0]}; "
+                               "put the step after the stage's last B (or W).")
+        with self.timeline.span(SPAN_KINDS[STEP], str(a)):
+            self.step_fn(a.stage)
 
     def _pop_held(self, a: Action) -> _Held:
         held = self.held.pop((a.stage, a.microbatch), None)
@@ -297,13 +318,40 @@ class PipelineExecutor:
         return p.device if p is not None else torch.device("cpu")
 
 
+Optimizers = torch.optim.Optimizer | Mapping[int, torch.optim.Optimizer]
+
+
+def stepper(actions: Sequence[Action], optimizer: Optimizers) -> Callable[[int], None]:
+    """What ``run`` calls at a STEP: ``optimizer[stage].step()``, or, for one optimizer over the rank's
+    stages, its ``step()`` at the rank's last STEP (so each parameter is updated once)."""
+    if isinstance(optimizer, Mapping):
+        return lambda stage: optimizer[stage].step()
+    last = [a.stage for a in actions if a.kind == STEP][-1:]
+    return lambda stage: optimizer.step() if [stage] == last else None
+
+
+def _optimizers(optimizer: Optimizers) -> list[torch.optim.Optimizer]:
+    return list(optimizer.values()) if isinstance(optimizer, Mapping) else [optimizer]
+
+
 def run_schedule(executor: PipelineExecutor, schedule: Schedule, x: torch.Tensor, y: torch.Tensor,
-                 loss_fn: LossFn, n_microbatches: int, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
-    """One training step: clear the gradients, run this rank's part of ``schedule``, then the optimizer's step."""
-    optimizer.zero_grad(set_to_none=True)
-    out = executor.run(executor.plan(schedule, n_microbatches), x, y, loss_fn, n_microbatches)
-    with executor.timeline.span("optimizer", "step"):
-        optimizer.step()
+                 loss_fn: LossFn, n_microbatches: int, optimizer: Optimizers) -> torch.Tensor | None:
+    """One training step: clear the gradients, run this rank's part of ``schedule``, steps included.
+
+    ``optimizer``: one per stage ({stage: optimizer}) or one for all this rank's stages. The schedule's
+    STEP actions run it; a schedule without them is stepped after its list.
+    """
+    for opt in _optimizers(optimizer):
+        opt.zero_grad(set_to_none=True)
+    actions = executor.plan(schedule, n_microbatches)
+    if isinstance(optimizer, Mapping) and set(optimizer) != set(executor.stages):
+        raise ValueError(f"run_schedule: rank {executor.rank} holds stages {sorted(executor.stages)}, but the "
+                         f"optimizers are for stages {sorted(optimizer)}: give one per stage held.")
+    out = executor.run(actions, x, y, loss_fn, n_microbatches, stepper(actions, optimizer))
+    if not any(a.kind == STEP for a in actions):
+        with executor.timeline.span(SPAN_KINDS[STEP], "step"):
+            for opt in _optimizers(optimizer):
+                opt.step()
     return out
 
 
@@ -312,6 +360,8 @@ class PipelineParallel:
 
     Stage modules must keep the plain model's parameter names (``GPTStage`` does); ``full_gradients`` and
     ``full_parameters`` gather every stage's to every rank. Other arguments go to ``PipelineExecutor``.
+    Each stage gets its own ``optimizer(parameters)``; the schedule's STEPs run them inside
+    ``forward_backward`` (``step`` then does nothing), or ``step`` runs them all if it has none.
     """
 
     def __init__(self, stages: Mapping[int, nn.Module], n_stages: int, schedule: Schedule,
@@ -319,10 +369,11 @@ class PipelineParallel:
                  boundary_shape: BoundaryShape, **options):
         self.executor = ex = PipelineExecutor(stages, n_stages, boundary_shape, **options)
         self.actions, self.m = ex.plan(schedule, n_microbatches), n_microbatches
-        self.optimizer = optimizer([p for stage in stages.values() for p in stage.parameters()])
+        self.optimizers = {s: optimizer(stage.parameters()) for s, stage in stages.items()}
+        self.steps_in_schedule = any(a.kind == STEP for a in self.actions)
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn) -> torch.Tensor | None:
-        return self.executor.run(self.actions, x, y, loss_fn, self.m)
+        return self.executor.run(self.actions, x, y, loss_fn, self.m, stepper(self.actions, self.optimizers))
 
     def _named(self, grads: bool) -> dict[str, torch.Tensor]:
         mine = {n: (p.grad if grads else p).detach().cpu() for stage in self.executor.stages.values()
@@ -340,8 +391,12 @@ class PipelineParallel:
         return self._named(grads=False)
 
     def step(self) -> None:
-        with self.executor.timeline.span("optimizer", "step"):
-            self.optimizer.step()
+        if self.steps_in_schedule:            # already run, at the schedule's STEP actions
+            return
+        with self.executor.timeline.span(SPAN_KINDS[STEP], "step"):
+            for opt in self.optimizers.values():
+                opt.step()
 
     def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
+        for opt in self.optimizers.values():
+            opt.zero_grad(set_to_none=True)

@@ -2,10 +2,11 @@
 
 p ranks, m micro-batches, v chunks (stages) per rank: p·v stages, and rank r holds stages
 r, r + p, ..., r + (v-1)p (torch's looped placement, ``stage % p``). Every generator returns a
-``Schedule`` (rank -> list of ``Action``) holding compute only; ``with_communication`` then adds the
-sends and receives. Orders follow ``torch.distributed.pipelining`` action by action (tests check it)::
+``Schedule`` (rank -> list of ``Action``) holding compute and, last on each rank, the optimizer step of
+each of its stages; ``with_communication`` then adds the sends and receives. Orders follow
+``torch.distributed.pipelining`` action by action, ``without_steps`` (tests check it)::
 
-    one_f_one_b(3, 4)[2]        # [2F0, 2B0, 2F1, 2B1, 2F2, 2B2, 2F3, 2B3]
+    one_f_one_b(3, 4)[2]        # [2F0, 2B0, 2F1, 2B1, 2F2, 2B2, 2F3, 2B3, 2STEP]
 
 * ``naive``: model parallelism with one batch; one rank works at a time (the idle-device problem).
 * ``gpipe``: all forwards, then all backwards (Huang et al., arXiv 1811.06965).
@@ -16,11 +17,12 @@ sends and receives. Orders follow ``torch.distributed.pipelining`` action by act
 
 from __future__ import annotations
 
-from dtcourse.pipeline.actions import COMMUNICATION, Action, Schedule
+from dtcourse.pipeline.actions import COMMUNICATION, STEP, Action, Schedule
 from dtcourse.pipeline.partition import rank_of_stage
 from dtcourse.runtime.refuse import reference
 
-__all__ = ["naive", "gpipe", "one_f_one_b", "interleaved_1f1b", "zb_h1", "with_communication", "SCHEDULES", "build"]
+__all__ = ["naive", "gpipe", "one_f_one_b", "interleaved_1f1b", "zb_h1", "with_communication", "with_steps",
+           "SCHEDULES", "build"]
 
 
 def _check(name: str, p: int, m: int) -> None:
@@ -30,10 +32,25 @@ def _check(name: str, p: int, m: int) -> None:
         raise ValueError(f"{name}: a step needs at least one micro-batch, got m = {m}.")
 
 
+def with_steps(schedule: Schedule) -> Schedule:
+    """Each rank's list followed by a ``STEP`` for each stage it runs, in the order their last backward ends.
+
+    ``with_steps({0: [0F0, 0B0]}) == {0: [0F0, 0B0, 0STEP]}``. The step waits for the flush: every
+    micro-batch's weight gradient (B, or W when split) must be in before the weights change, and the
+    next step's forwards then all see the new weights (no weight stashing, unlike PipeDream).
+    """
+    out: Schedule = {}
+    for r, actions in schedule.items():
+        last = {a.stage: i for i, a in enumerate(actions) if a.kind in ("B", "W")}
+        stages = sorted(last, key=last.get) + sorted({a.stage for a in actions} - set(last))
+        out[r] = list(actions) + [Action(s, STEP) for s in stages]
+    return out
+
+
 def naive(p: int) -> Schedule:
     """Plain model parallelism, one batch (m = 1): rank r waits for r forwards, then 2(p-1-r) backwards.
 
-    ``naive(2) == {0: [0F0, 0B0], 1: [1F0, 1B0]}``; the bubble is (p-1)/p of the step.
+    ``naive(2) == {0: [0F0, 0B0, 0STEP], 1: [1F0, 1B0, 1STEP]}``; the bubble is (p-1)/p of the step.
     """
     return gpipe(p, 1)
 
@@ -41,20 +58,21 @@ def naive(p: int) -> Schedule:
 def gpipe(p: int, m: int) -> Schedule:
     """GPipe (arXiv 1811.06965): every forward, then every backward, in micro-batch order.
 
-    ``gpipe(2, 2)[0] == [0F0, 0F1, 0B0, 0B1]``. Keeps m micro-batches of activations per rank.
+    ``gpipe(2, 2)[0] == [0F0, 0F1, 0B0, 0B1, 0STEP]``. Keeps m micro-batches of activations per rank.
     Backwards go 0, 1, ..., m-1 as in torch's ``ScheduleGPipe`` (any order gives the same bubble).
     """
     _check("gpipe", p, m)
-    return {r: [Action(r, "F", j) for j in range(m)] + [Action(r, "B", j) for j in range(m)]
-            for r in range(p)}
+    return with_steps({r: [Action(r, "F", j) for j in range(m)] + [Action(r, "B", j) for j in range(m)]
+                       for r in range(p)})
 
 
 @reference("pipeline", "08")     # exercise 08 writes this generator: refused while its checks run
 def one_f_one_b(p: int, m: int) -> Schedule:
     """1F1B, PipeDream-flush (arXiv 2006.09503, 2104.04473): warm-up, steady one-forward-one-backward, cool-down.
 
-    ``one_f_one_b(2, 3)[0] == [0F0, 0F1, 0B0, 0F2, 0B1, 0B2]``. Rank r runs p-1-r warm-up forwards,
-    so it never holds more than p - r micro-batches of activations (GPipe holds m).
+    ``one_f_one_b(2, 3)[0] == [0F0, 0F1, 0B0, 0F2, 0B1, 0B2, 0STEP]``. Rank r runs p-1-r warm-up
+    forwards, so it never holds more than p - r micro-batches of activations (GPipe holds m); the
+    optimizer step comes last, once the cool-down has flushed every micro-batch.
     """
     _check("one_f_one_b", p, m)
     schedule: Schedule = {}
@@ -64,15 +82,15 @@ def one_f_one_b(p: int, m: int) -> Schedule:
         for j in range(m - warmup):                       # steady state: F of a new one, B of the oldest
             ops += [Action(r, "F", warmup + j), Action(r, "B", j)]
         ops += [Action(r, "B", j) for j in range(m - warmup, m)]   # cool-down
-        schedule[r] = ops
+        schedule[r] = ops + [Action(r, STEP)]                      # the flush is over: update the weights
     return schedule
 
 
 def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
     """Interleaved 1F1B (Narayanan et al., arXiv 2104.04473, section 2.2): v chunks per rank, depth first.
 
-    ``interleaved_1f1b(2, 2, 2)[0] == [0F0, 0F1, 2F0, 2F1, 2B0, 2B1, 0B0, 0B1]``. Micro-batches go
-    through a rank's chunks in groups of p, so a chunk's work waits on the other ranks' 1/v-sized
+    ``interleaved_1f1b(2, 2, 2)[0] == [0F0, 0F1, 2F0, 2F1, 2B0, 2B1, 0B0, 0B1, 2STEP, 0STEP]``.
+    Micro-batches go through a rank's chunks in groups of p, so a chunk's work waits on the other ranks' 1/v-sized
     chunks only: the bubble shrinks to (p-1)/(v·m + p-1) at the price of v times more messages.
     """
     _check("interleaved_1f1b", p, m)
@@ -102,13 +120,13 @@ def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
                     Action(stage(k, r, False), "B", microbatch(k))]
         ops += [Action(stage(k, r, False), "B", microbatch(k)) for k in range(total - warmup, total)]
         schedule[r] = ops
-    return schedule
+    return with_steps(schedule)
 
 
 def zb_h1(p: int, m: int) -> Schedule:
     """ZB-H1 (Qi et al., arXiv 2401.10241, section 3.1): 1F1B with B split into I (input grad) and W (weights).
 
-    ``zb_h1(2, 2)[1] == [1F0, 1I0, 1F1, 1I1, 1W0, 1W1]``. Only I lies on the critical path back to
+    ``zb_h1(2, 2)[1] == [1F0, 1I0, 1F1, 1I1, 1W0, 1W1, 1STEP]``. Only I lies on the critical path back to
     rank 0, so the backward wave runs faster; rank r delays its W's by r micro-batches, which fills
     the cool-down bubble (the later ranks finish their I's earliest). Activations are freed at W, so
     rank r holds up to (p - r) + r = p micro-batches: rank 0's peak, the same as 1F1B's.
@@ -129,7 +147,7 @@ def zb_h1(p: int, m: int) -> Schedule:
                 w_next += 1
         ops += [Action(r, "W", j) for j in range(w_next, m)]  # the delayed W's fill the cool-down
         schedule[r] = ops
-    return schedule
+    return with_steps(schedule)
 
 
 SCHEDULES = {"naive": naive, "gpipe": gpipe, "1f1b": one_f_one_b,
@@ -137,7 +155,7 @@ SCHEDULES = {"naive": naive, "gpipe": gpipe, "1f1b": one_f_one_b,
 
 
 def build(name: str, p: int, m: int, v: int = 1) -> Schedule:
-    """The compute-only schedule ``name`` (a key of ``SCHEDULES``) for p ranks, m micro-batches, v chunks.
+    """The schedule ``name`` (a key of ``SCHEDULES``), without messages, for p ranks, m micro-batches, v chunks.
 
     ``build("1f1b", 4, 8) == one_f_one_b(4, 8)``; naive ignores m, and only interleaving takes v.
     """
@@ -156,7 +174,9 @@ def _message(action: Action, p: int, n: int) -> tuple[Action, Action] | None:
 
 
 def _ready(action: Action, placed: set[Action], n: int) -> bool:
-    """Whether ``action``'s input is on its rank: received, or made by a stage of the same rank."""
+    """Whether ``action``'s input is on its rank: received, or made by a stage of the same rank.
+
+    (A STEP's inputs are its own stage's weight gradients, earlier in the same list.)"""
     s, j = action.stage, action.microbatch
     if action.kind == "F" and s > 0:
         return Action(s, "RECV_F", j) in placed or Action(s - 1, "F", j) in placed
@@ -169,7 +189,7 @@ def _ready(action: Action, placed: set[Action], n: int) -> bool:
 def with_communication(schedule: Schedule, p: int, v: int = 1) -> Schedule:
     """Insert SEND_F/RECV_F/SEND_B/RECV_B wherever a stage's output goes to another rank.
 
-    ``with_communication(one_f_one_b(2, 1), 2)[1] == [1RECV_F0, 1F0, 1B0, 1SEND_B0]``.
+    ``with_communication(one_f_one_b(2, 1), 2)[1] == [1RECV_F0, 1F0, 1B0, 1SEND_B0, 1STEP]``.
     The same lowering as torch's ``_add_send_recv``: the ranks take turns placing their next compute
     action once its input has been received; the moment one is placed, its send goes right after
     it and the matching receive onto the end of the receiver's list. So every list follows one
@@ -189,7 +209,7 @@ def with_communication(schedule: Schedule, p: int, v: int = 1) -> Schedule:
             action = todo[r][nxt[r]]
             if action.kind in COMMUNICATION:
                 raise ValueError(f"with_communication: rank {r}, step {nxt[r]}: {action} is already a "
-                                 "communication action; pass a compute-only schedule.")
+                                 "communication action; pass a schedule without messages.")
             if not _ready(action, placed[r], n):
                 continue                                     # its input hasn't been sent yet
             out[r].append(action)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dtcourse.pipeline.actions import COMMUNICATION, Action, Schedule
+from dtcourse.pipeline.actions import COMMUNICATION, STEP, Action, Schedule
 from dtcourse.pipeline.validate import validate
 from dtcourse.runtime.timeline import Recording, Span
 
@@ -26,7 +26,8 @@ __all__ = ["Prediction", "simulate", "bubble_formula", "peak_activations"]
 
 @dataclass(frozen=True)
 class Prediction:
-    """``timeline``: rank -> compute spans (kind F/B/I/W, name like "2B0"); ``step``: when the last rank ends."""
+    """``timeline``: rank -> compute spans (kind F/B/I/W, or STEP if timed; name like "2B0"); ``step``: when
+    the last rank ends."""
 
     timeline: Recording
     step: float
@@ -35,23 +36,26 @@ class Prediction:
 
 
 def simulate(schedule: Schedule, p: int, m: int, v: int = 1, t_f: float = 1.0, t_b: float = 2.0,
-             t_w: float | None = None, t_comm: float = 0.0) -> Prediction:
+             t_w: float | None = None, t_comm: float = 0.0, t_step: float = 0.0) -> Prediction:
     """Predict when each action of ``schedule`` runs, with times per stage (one chunk of one rank).
 
     ``t_b`` is the whole backward; a split one takes I = t_b - t_w and W = t_w (t_w = t_b / 2 unless
-    given). Raises the ``validate`` error for a schedule that cannot run.
+    given); a ``STEP`` takes ``t_step`` (0: the papers' bubble formulas leave the step out, and then
+    it draws no span). Raises the ``validate`` error for a schedule that cannot run.
     """
     validate(schedule, p, m, v)
     n = p * v
     t_w = t_b / 2 if t_w is None else t_w
     if not 0 <= t_w <= t_b:
         raise ValueError(f"simulate: t_w = {t_w} must lie between 0 and t_b = {t_b} (I = t_b - t_w).")
-    duration = {"F": t_f, "B": t_b, "I": t_b - t_w, "W": t_w}
+    duration = {"F": t_f, "B": t_b, "I": t_b - t_w, "W": t_w, STEP: t_step}
     end: dict[Action, float] = {}
     compute = {r: [a for a in schedule[r] if a.kind not in COMMUNICATION] for r in range(p)}
 
     def inputs(a: Action) -> list[Action]:                   # what ``a`` waits for (see validate.needs)
         s, j = a.stage, a.microbatch
+        if a.kind == STEP:                                   # its own stage's gradients, earlier on its rank
+            return []
         if a.kind == "F":
             return [Action(s - 1, "F", j)] if s > 0 else []
         if a.kind == "W":
@@ -70,7 +74,8 @@ def simulate(schedule: Schedule, p: int, m: int, v: int = 1, t_f: float = 1.0, t
                 ready = [end[d] + (t_comm if d.stage % p != r else 0.0) for d in inputs(a)]
                 start = max([free[r]] + ready)
                 end[a] = free[r] = start + duration[a.kind]
-                timeline[r].append(Span(a.kind, str(a), start, end[a]))
+                if end[a] > start or a.kind != STEP:
+                    timeline[r].append(Span(a.kind, str(a), start, end[a]))
                 pos[r] += 1
     step = max(free.values())
     busy = {r: sum(s.duration for s in timeline[r]) for r in range(p)}

@@ -11,8 +11,10 @@ action and what it is missing::
     # stage 1), which comes later on rank 1 (step 2, behind 1F1); rank 1, step 0: 1F1 needs 0F1 ...
 
 The checks, in order: every action belongs to its rank and its stage/micro-batch exist; every
-(stage, micro-batch) has one F and one backward (B, or I then W) and nothing twice; on each rank F
-comes before its own backward, I before W, and a stage's input before its use. With communication
+(stage, micro-batch) has one F and one backward (B, or I then W) and nothing twice; the optimizer
+step, ``STEP``, either on every stage once, after all of that stage's weight gradients (B or W), or on
+none (torch's schedules leave it to the caller); on each rank F comes before its own backward, I
+before W, and a stage's input before its use. With communication
 (any SEND/RECV present): each cross-rank input has a RECV before its use and a SEND after the
 producer, every send has its receive, and the k-th send from rank a to rank b is the k-th receive
 on b from a (gloo and NCCL match point-to-point messages in order, so a swap delivers wrong tensors).
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from dtcourse.pipeline.actions import COMMUNICATION, Action, Schedule
+from dtcourse.pipeline.actions import COMMUNICATION, STEP, Action, Schedule
 
 __all__ = ["validate", "partner"]
 
@@ -58,7 +60,7 @@ def validate(schedule: Schedule, p: int, m: int, v: int = 1, blocking: bool = Tr
     where: dict[Action, tuple[int, int]] = {}                 # action -> (rank, step)
     for r in range(p):
         for i, a in enumerate(schedule[r]):
-            if a.stage >= n or a.microbatch >= m:
+            if a.stage >= n or (a.microbatch is not None and a.microbatch >= m):
                 raise ValueError(f"rank {r}, step {i}: {a} names stage {a.stage} / micro-batch {a.microbatch}, "
                                  f"but there are {n} stages and {m} micro-batches.")
             if a.stage % p != r:
@@ -85,6 +87,21 @@ def validate(schedule: Schedule, p: int, m: int, v: int = 1, blocking: bool = Tr
                 missing = [str(Action(s, k, j)) for k in ("I", "W") if k not in has] if has & {"I", "W"} \
                     else [f"{Action(s, 'B', j)} (or {Action(s, 'I', j)} and {Action(s, 'W', j)})"]
                 raise ValueError(f"stage {s} never runs {' and '.join(missing)}: add it to {home}.")
+
+    stepped = {a.stage for a in where if a.kind == STEP}
+    if stepped and len(stepped) < n:
+        s = min(set(range(n)) - stepped)
+        raise ValueError(f"stage {s} has no optimizer step, but stage {min(stepped)} has one: add "
+                         f"{Action(s, STEP)} to rank {s % p}'s list after its last backward (or drop every STEP "
+                         "and step after the list).")
+    for s in sorted(stepped):
+        step = Action(s, STEP)
+        for j in range(m):
+            weights = Action(s, "B", j) if Action(s, "B", j) in where else Action(s, "W", j)
+            if where[weights][1] > where[step][1]:
+                raise ValueError(f"{at(step)} updates stage {s}'s weights before {weights} (step {where[weights][1]}) "
+                                 f"has added micro-batch {j}'s gradient: move {step} after it, so the step "
+                                 "uses every micro-batch and no backward runs on changed weights.")
 
     def grad(s: int, j: int) -> Action:                        # the action that makes stage s's input gradient
         return Action(s, "B", j) if Action(s, "B", j) in where else Action(s, "I", j)
