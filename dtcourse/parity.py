@@ -32,7 +32,7 @@ import torch.nn as nn
 
 from dtcourse.runtime.device import device as runtime_device
 
-__all__ = ["check_parity", "Tolerance", "ParityReport", "Parallel", "Replicated", "FullyShard", "even_split", "whole_batch",
+__all__ = ["check_parity", "Tolerance", "ParityReport", "Parallel", "Replicated", "FullyShard", "DTensorPlan", "even_split", "whole_batch",
            "KINDS"]
 
 KINDS = ("output", "gradient", "parameter")          # in the order a step produces them
@@ -161,6 +161,84 @@ class FullyShard:
 
     def full_parameters(self) -> Tensors:
         return {n: p.full_tensor() for n, p in self.model.named_parameters()}
+
+    def step(self) -> None:
+        self.optimizer.step()
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+class _SplitQKV(nn.Module):
+    """c_attn as three linears, so that ColwiseParallel splits q, k and v each by heads, as torch's Llama plan."""
+
+    def __init__(self, c_attn: nn.Linear):
+        super().__init__()
+        self.q, self.k, self.v = (nn.Linear(c_attn.in_features, c_attn.out_features // 3) for _ in range(3))
+        for lin, w, b in zip((self.q, self.k, self.v), c_attn.weight.chunk(3), c_attn.bias.chunk(3)):
+            lin.weight.data.copy_(w), lin.bias.data.copy_(b)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.q(x), self.k(x), self.v(x)], dim=-1)    # (B, T, 3C/t): this rank's heads
+
+
+class DTensorPlan:
+    """``Parallel`` for PyTorch's tensor parallelism on a ``dtcourse.models.GPT``: ``parallelize_module`` with
+    ``ColwiseParallel`` / ``RowwiseParallel`` (Megatron's layout), ``SequenceParallel`` on the LayerNorms if
+    ``sequence_parallel``, and ``loss_parallel`` for the vocab-parallel loss, on a ``DeviceMesh`` over ``group``.
+
+    The second reference of ``dtcourse.tensor_parallel``, in its tests and its benchmark.
+    """
+
+    def __init__(self, model: nn.Module, group: dist.ProcessGroup | None, optimizer: OptimizerFactory,
+                 sequence_parallel: bool = False):
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                       SequenceParallel, parallelize_module)
+        t, sp = dist.get_world_size(group), sequence_parallel
+        mesh = DeviceMesh.from_group(group or dist.group.WORLD, runtime_device().type)
+        seq = Shard(1) if sp else Replicate()          # the layout of the residual stream
+        plan = {"wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+                "ln_f": SequenceParallel() if sp else None,
+                "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)}
+        if sp:   # wte + wpe stays replicated; the first block cuts its sequence shard (no communication)
+            plan["blocks.0"] = PrepareModuleInput(input_layouts=Replicate(), desired_input_layouts=Shard(1),
+                                                  use_local_output=True)
+        for i, block in enumerate(model.blocks):
+            block.attn.c_attn = _SplitQKV(block.attn.c_attn)
+            block.attn.n_head //= t
+            p = f"blocks.{i}."
+            plan.update({p + "ln_1": SequenceParallel() if sp else None, p + "ln_2": SequenceParallel() if sp else None,
+                         p + "attn.c_attn": PrepareModuleInput(input_layouts=seq, desired_input_layouts=Replicate()),
+                         p + "attn.c_attn.q": ColwiseParallel(), p + "attn.c_attn.k": ColwiseParallel(),
+                         p + "attn.c_attn.v": ColwiseParallel(), p + "attn.c_proj": RowwiseParallel(output_layouts=seq),
+                         p + "mlp.c_fc": ColwiseParallel(input_layouts=seq), p + "mlp.c_proj": RowwiseParallel(output_layouts=seq)})
+        self.model = parallelize_module(model, mesh, {k: v for k, v in plan.items() if v is not None})
+        self.optimizer = optimizer(self.model.parameters())
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn) -> torch.Tensor:
+        from torch.distributed.tensor.parallel import loss_parallel
+        logits = self.model(x)                                             # DTensor (B, T, V), Shard(-1)
+        with loss_parallel():
+            loss_fn(logits, y).backward()
+        return logits.full_tensor().detach()
+
+    def _named(self, grads: bool) -> Tensors:
+        out = {}
+        for n, p in self.model.named_parameters():
+            v = p.grad if grads else p.detach()
+            if v is not None:
+                out[n] = v.full_tensor() if hasattr(v, "full_tensor") else v
+        for name in [n for n in out if ".c_attn.q." in n]:                 # q, k, v back into c_attn
+            out[name.replace(".q.", ".")] = torch.cat([out.pop(name.replace(".q.", f".{w}.")) for w in "qkv"])
+        return out
+
+    def full_gradients(self) -> Tensors:
+        return self._named(True)
+
+    def full_parameters(self) -> Tensors:
+        return self._named(False)
 
     def step(self) -> None:
         self.optimizer.step()

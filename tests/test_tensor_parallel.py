@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from dtcourse import RankError, launch
 from dtcourse.models import GPT, GPTConfig, lm_loss, token_batch
-from dtcourse.parity import Tolerance, check_parity, whole_batch
+from dtcourse.parity import DTensorPlan, Tolerance, check_parity, whole_batch
 from dtcourse.tensor_parallel import ColumnParallelLinear, TensorParallel, Traffic, check_divides
 
 # d_model 48, 6 heads, vocabulary 48, 4 d_model = 192, sequence 12: every size divides by 1, 2, 3 and 4
@@ -89,81 +89,9 @@ def test_bytes_per_layer_match_the_formula():
 # --------------------------------------------------------------------------- #
 # PyTorch's own tensor parallelism as a second reference
 # --------------------------------------------------------------------------- #
-class _QKV(nn.Module):
-    """c_attn as three linears, so that ColwiseParallel splits q, k and v each by heads, as torch's Llama plan."""
-
-    def __init__(self, c_attn: nn.Linear):
-        super().__init__()
-        self.q, self.k, self.v = (nn.Linear(c_attn.in_features, c_attn.out_features // 3) for _ in range(3))
-        for lin, w, b in zip((self.q, self.k, self.v), c_attn.weight.chunk(3), c_attn.bias.chunk(3)):
-            lin.weight.data.copy_(w), lin.bias.data.copy_(b)
-
-    def forward(self, x):
-        return torch.cat([self.q(x), self.k(x), self.v(x)], dim=-1)    # (B, T, 3C/t): this rank's heads
-
-
-class _TorchTP:
-    """``Parallel`` for ``parallelize_module`` on a CPU DeviceMesh, trained with ``loss_parallel``."""
-
-    def __init__(self, model, group, sp):
-        from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.tensor import Replicate, Shard
-        from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                       SequenceParallel, parallelize_module)
-        t = torch.distributed.get_world_size(group)
-        mesh = DeviceMesh.from_group(group or torch.distributed.group.WORLD, "cpu")
-        seq = Shard(1) if sp else Replicate()          # the layout of the residual stream
-        plan = {"wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-                "ln_f": SequenceParallel() if sp else None,
-                "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)}
-        if sp:   # wte + wpe stays replicated; the first block cuts its sequence shard (no communication)
-            plan["blocks.0"] = PrepareModuleInput(input_layouts=Replicate(), desired_input_layouts=Shard(1),
-                                                  use_local_output=True)
-        for i, block in enumerate(model.blocks):
-            block.attn.c_attn = _QKV(block.attn.c_attn)
-            block.attn.n_head //= t
-            p = f"blocks.{i}."
-            plan.update({p + "ln_1": SequenceParallel() if sp else None, p + "ln_2": SequenceParallel() if sp else None,
-                         p + "attn.c_attn": PrepareModuleInput(input_layouts=seq, desired_input_layouts=Replicate()),
-                         p + "attn.c_attn.q": ColwiseParallel(), p + "attn.c_attn.k": ColwiseParallel(),
-                         p + "attn.c_attn.v": ColwiseParallel(), p + "attn.c_proj": RowwiseParallel(output_layouts=seq),
-                         p + "mlp.c_fc": ColwiseParallel(input_layouts=seq), p + "mlp.c_proj": RowwiseParallel(output_layouts=seq)})
-        self.model = parallelize_module(model, mesh, {k: v for k, v in plan.items() if v is not None})
-        self.optimizer = adamw(self.model.parameters())
-
-    def forward_backward(self, x, y, loss_fn):
-        from torch.distributed.tensor.parallel import loss_parallel
-        logits = self.model(x)                                             # DTensor (B, T, V), Shard(-1)
-        with loss_parallel():
-            lm_loss(logits, y).backward()
-        return logits.full_tensor().detach()
-
-    def _named(self, grads):
-        out = {}
-        for n, p in self.model.named_parameters():
-            v = p.grad if grads else p.detach()
-            if v is not None:
-                out[n] = v.full_tensor() if hasattr(v, "full_tensor") else v
-        for name in [n for n in out if ".c_attn.q." in n]:                 # q, k, v back into c_attn
-            out[name.replace(".q.", ".")] = torch.cat([out.pop(name.replace(".q.", f".{w}.")) for w in "qkv"])
-        return out
-
-    def full_gradients(self):
-        return self._named(True)
-
-    def full_parameters(self):
-        return self._named(False)
-
-    def step(self):
-        self.optimizer.step()
-
-    def zero_grad(self):
-        self.optimizer.zero_grad(set_to_none=True)
-
-
 def _torch_cases():
     return [check_parity(lambda: GPT(CFG, seed=0), _tp(sp), _batches(CFG), lm_loss, adamw, tolerance=ONE_PROCESS,
-                         reference=lambda m, g: _TorchTP(m, g, sp), reference_tolerance=TORCH, split=whole_batch)
+                         reference=lambda m, g: DTensorPlan(m, g, adamw, sp), reference_tolerance=TORCH, split=whole_batch)
             for sp in (False, True)]
 
 
@@ -226,7 +154,8 @@ def _forgetful_and_loss():
     parallel = parallelize(copy.deepcopy(serial), None)
     loss_diff = (vocab_parallel_lm_loss(parallel(x), y, None) - loss).abs().item()
     # Megatron's easy mistake: sum the row biases' partial gradients but forget the LayerNorms'
-    from dtcourse.tensor_parallel import gpt as tp_module
+    import importlib
+    tp_module = importlib.import_module("dtcourse.tensor_parallel.parallelize")   # the package's name is the function
     all_reduce = tp_module.all_reduce_sequence_parallel_grads
 
     def forget_layernorms(model, group, traffic=None):

@@ -5,7 +5,7 @@
   functions taking the process group, each logging what it moved in a ``Traffic``.
 * ``layers.py``: ``ColumnParallelLinear``, ``RowParallelLinear``, ``VocabParallelEmbedding`` and
   ``vocab_parallel_cross_entropy``, each built from the full serial layer.
-* ``gpt.py``: ``parallelize(gpt, group, sequence_parallel)`` and ``TensorParallel``, the parity
+* ``parallelize.py``: ``parallelize(gpt, group, sequence_parallel)`` and ``TensorParallel``, the parity
   harness's adapter.
 
 Example, on every rank under ``dtcourse.launch``::
@@ -19,7 +19,7 @@ from dtcourse.tensor_parallel.communications import (
 from dtcourse.tensor_parallel.layers import (
     ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, check_divides, gather_shards, shard_of,
     vocab_parallel_cross_entropy)
-from dtcourse.tensor_parallel.gpt import (
+from dtcourse.tensor_parallel.parallelize import (
     PositionShard, TensorParallel, all_reduce_sequence_parallel_grads, parallelize, vocab_parallel_lm_loss)
 
 __all__ = ["Record", "Traffic", "copy_to_tensor_parallel", "reduce_from_tensor_parallel",
