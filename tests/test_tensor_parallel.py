@@ -60,6 +60,69 @@ def test_matches_one_process(t):
     print(f"t={t}: vs one process", report)
 
 
+CFG_DROP = GPTConfig(vocab_size=48, block_size=12, n_layer=2, n_head=6, d_model=48, dropout=0.2)
+
+
+def _reseeded():
+    """The GPT, reseeded before each forward: the one process and every rank draw each step's masks alike."""
+    model = GPT(CFG_DROP, seed=0)
+
+    def reseed(module, args):
+        torch.manual_seed(1000 + module.forwards)
+        module.forwards += 1
+
+    model.forwards = 0
+    model.register_forward_pre_hook(reseed)          # deep-copied with the model, counter and all
+    return model
+
+
+# SGD here, not AdamW: parameters move by lr * g, so gradient ulps stay ulps. AdamW's first step amplifies them
+# where a gradient is near its eps, and dropout's zeroed units leave more of those (1.24e-5 measured at t = 2).
+sgd = functools.partial(torch.optim.SGD, lr=1e-2)
+
+
+def _dropout_parity():
+    tp = {sp: lambda model, group, sp=sp: TensorParallel(model, group, sgd, sequence_parallel=sp) for sp in (False, True)}
+    return check_parity(_reseeded, {"TP": tp[False], "TP+SP": tp[True]}, _batches(CFG_DROP), lm_loss, sgd,
+                        tolerance=ONE_PROCESS, split=whole_batch)
+
+
+@pytest.mark.parametrize("t", [2, 3])
+def test_dropout_masks_are_the_serial_models_under_tp_and_sp(t):
+    """Attention's dropout on this rank's heads, and under SP the residual dropouts on its positions: each
+    rank keeps its slice of the full mask (ShardedDropout), so training matches one process with dropout on."""
+    report = launch(_dropout_parity, t, timeout=120)[0]
+    assert report.steps == STEPS and report.worst("ranks") == 0.0
+    print(f"t={t} with dropout 0.2: vs one process", report)
+
+
+def _on_a_mesh():
+    from dtcourse.mesh import ParallelDims, build_groups
+    from dtcourse.tensor_parallel import parallelize
+    mesh = build_groups(ParallelDims(dp=2, pp=1, tp=2))             # tp groups [0, 1] and [2, 3]
+    logs = Traffic()
+    report = check_parity(lambda: GPT(CFG, seed=0),
+                          lambda model, group: TensorParallel(model, None, adamw, traffic=logs, mesh=mesh),
+                          _batches(CFG), lm_loss, adamw, tolerance=ONE_PROCESS, split=whole_batch,
+                          group=mesh.group("tp"))
+    try:
+        parallelize(GPT(CFG, seed=0), group=torch.distributed.group.WORLD, mesh=mesh)   # not this rank's tp group
+    except ValueError as err:
+        error = str(err)
+    return report, {r.sent for r in logs.records if r.op == "all_reduce" and r.where.startswith("blocks")}, error
+
+
+def test_tensor_parallelism_on_a_mesh_uses_its_tp_group_and_refuses_another():
+    out = launch(_on_a_mesh, 4, timeout=120)
+    sbh = B * CFG.block_size * CFG.d_model
+    for rank, (report, sent, error) in enumerate(out):
+        assert report.steps == STEPS and report.worst("ranks") == 0.0
+        assert sent == {sbh * 4}                                   # t = 2: 2(t-1)/t of s·b·h float32s, not 4 ranks'
+        mine = [0, 1] if rank < 2 else [2, 3]
+        assert error.startswith(f"group holds ranks [0, 1, 2, 3], but this rank's tensor-parallel group in the "
+                                f"mesh (ParallelDims(dp=2, pp=1, tp=2, ep=1)) is {mine}: pass group=mesh.group('tp')")
+
+
 def test_bytes_per_layer_match_the_formula():
     t = 2
     _, logs = launch(_parity_cases, t, CFG, timeout=120)[0]

@@ -15,6 +15,15 @@ a reduce-scatter after each row layer and after the embedding, the same bytes as
 LayerNorm weights, the row layers' biases and ``wpe`` are replicated but each rank sees only its positions,
 so their gradients are partial sums: ``all_reduce_sequence_parallel_grads`` sums them after backward.
 
+**Dropout.** A dropout on a replicated tensor must drop the same elements on every rank, and one on a
+shard (attention's heads; under SP the sequence) must drop that shard's part of one mask. ``ShardedDropout``
+draws the full layer's mask from the generator, which every rank keeps in the same state, and keeps its
+slice: the masks are the serial model's, bit for bit (on the CPU, where ``F.dropout`` draws with
+``bernoulli_``), at the cost of t times the random numbers. Megatron instead draws a shard's mask from a
+per-rank stream (its ``model-parallel-rng`` tracker): cheaper, equal only in distribution.
+
+``mesh``: a ``dtcourse.mesh.Mesh`` whose ``tp`` group to use, for TP inside a DP × PP × TP grid.
+
 Example, on every rank of ``group``::
 
     tp = TensorParallel(GPT(cfg, seed=0), group, lambda ps: torch.optim.AdamW(ps), sequence_parallel=True)
@@ -30,6 +39,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from dtcourse.mesh import Mesh
 from dtcourse.models import GPT, lm_loss
 from dtcourse.tensor_parallel.communications import Traffic
 from dtcourse.tensor_parallel.layers import (
@@ -37,7 +47,7 @@ from dtcourse.tensor_parallel.layers import (
     vocab_parallel_cross_entropy)
 
 __all__ = ["parallelize", "vocab_parallel_lm_loss", "all_reduce_sequence_parallel_grads", "TensorParallel",
-           "PositionShard"]
+           "PositionShard", "ShardedDropout", "tensor_parallel_group"]
 
 
 class PositionShard(nn.Module):
@@ -56,13 +66,58 @@ class PositionShard(nn.Module):
         return F.embedding(pos.chunk(t)[rank], self.weight)               # (T/t, C)
 
 
+class ShardedDropout(nn.Module):
+    """Dropout on this rank's slice (along ``dim``) of a tensor t times larger: the full mask, then the slice.
+
+    Every rank draws the same full mask, since every rank's generator is in the same state, so the ranks'
+    slices tile the serial layer's mask. Example: attention's (B, nh/t, T, T) probabilities, ``dim=1``.
+    """
+
+    def __init__(self, p: float, dim: int, group: dist.ProcessGroup | None):
+        super().__init__()
+        self.p, self.dim, self.group = p, dim, group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0:
+            return x
+        t, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        full = list(x.shape)
+        full[self.dim] *= t
+        noise = torch.empty(full, dtype=x.dtype, device=x.device).bernoulli_(1 - self.p)   # as F.dropout draws
+        noise.div_(1 - self.p)
+        mine = noise.chunk(t, dim=self.dim)[rank].clone()        # a copy: keep 1/t of the mask, not all of it
+        return x * mine
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}, dim={self.dim}"
+
+
+def _shard_dropout(parent: nn.Module, name: str, dim: int, group: dist.ProcessGroup | None) -> None:
+    drop = getattr(parent, name)
+    if isinstance(drop, nn.Dropout):                      # GPTConfig(dropout=0) builds an Identity: nothing to do
+        setattr(parent, name, ShardedDropout(drop.p, dim, group))
+
+
+def tensor_parallel_group(group: dist.ProcessGroup | None = None, mesh: Mesh | None = None) -> dist.ProcessGroup | None:
+    """``group``, or ``mesh``'s tensor-parallel group; both given, they must be the same ranks."""
+    if mesh is None:
+        return group
+    if group is not None:
+        given, want = dist.get_process_group_ranks(group), mesh.ranks["tp"]
+        if given != want:
+            raise ValueError(f"group holds ranks {given}, but this rank's tensor-parallel group in the mesh "
+                             f"({mesh.dims}) is {want}: pass group=mesh.group('tp'), or only mesh=.")
+    return mesh.group("tp")
+
+
 def parallelize(gpt: GPT, group: dist.ProcessGroup | None = None, sequence_parallel: bool = False,
-                traffic: Traffic | None = None) -> GPT:
+                traffic: Traffic | None = None, mesh: Mesh | None = None) -> GPT:
     """Replace ``gpt``'s layers by their tensor-parallel shards (in place; returns ``gpt``).
 
-    Every rank of ``group`` must call it on the same full model (built from one seed). ``traffic`` logs each
-    collective under its layer: ``"wte"``, ``"blocks.i"``, ``"lm_head"``, ``"loss"``.
+    Every rank of ``group`` (or of ``mesh``'s tp group) must call it on the same full model (built from one
+    seed). ``traffic`` logs each collective under its layer: ``"wte"``, ``"blocks.i"``, ``"lm_head"``, ``"loss"``.
     """
+    group = tensor_parallel_group(group, mesh)
     cfg, t = gpt.config, dist.get_world_size(group)
     check_divides(t, cfg.n_head, "number of heads")
     check_divides(t, 4 * cfg.d_model, "hidden size")
@@ -72,12 +127,17 @@ def parallelize(gpt: GPT, group: dist.ProcessGroup | None = None, sequence_paral
     gpt.wte = VocabParallelEmbedding(gpt.wte, group, where="wte", **sp)
     if sequence_parallel:
         gpt.wpe = PositionShard(gpt.wpe, group)
+        _shard_dropout(gpt, "drop", 1, group)                # (B, T/t, C): this rank's positions
     # 2. blocks: heads split, MLP column then row
     for i, block in enumerate(gpt.blocks):
         attn, mlp, where = block.attn, block.mlp, f"blocks.{i}"
         attn.c_attn = ColumnParallelLinear(attn.c_attn, group, parts=3, where=where, **sp)   # q, k, v by heads
         attn.c_proj = RowParallelLinear(attn.c_proj, group, where=where, **sp)
         attn.n_head = cfg.n_head // t                      # core() sees this rank's heads only
+        _shard_dropout(attn, "attn_drop", 1, group)         # (B, nh/t, T, T): this rank's heads
+        if sequence_parallel:                               # the residual stream's dropouts: (B, T/t, C)
+            _shard_dropout(attn, "resid_drop", 1, group)
+            _shard_dropout(mlp, "drop", 1, group)
         mlp.c_fc = ColumnParallelLinear(mlp.c_fc, group, where=where, **sp)
         mlp.c_proj = RowParallelLinear(mlp.c_proj, group, where=where, **sp)
         for ln in (block.ln_1, block.ln_2):
@@ -133,10 +193,10 @@ class TensorParallel:
 
     def __init__(self, model: GPT, group: dist.ProcessGroup | None,
                  optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
-                 sequence_parallel: bool = False, traffic: Traffic | None = None):
-        self.group, self.sequence_parallel = group, sequence_parallel
+                 sequence_parallel: bool = False, traffic: Traffic | None = None, mesh: Mesh | None = None):
+        self.group, self.sequence_parallel = tensor_parallel_group(group, mesh), sequence_parallel
         self.traffic = Traffic() if traffic is None else traffic
-        self.model = parallelize(model, group, sequence_parallel, self.traffic)
+        self.model = parallelize(model, self.group, sequence_parallel, self.traffic)
         self.optimizer = optimizer(self.model.parameters())   # this rank's shards: AdamW is elementwise
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor, loss_fn=lm_loss) -> torch.Tensor:
