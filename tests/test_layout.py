@@ -30,6 +30,12 @@ SUBPACKAGES = {"runtime", "lab", "checks", "bench", "grading"}
 BENCH_EXTRAS = {"launch", "gpu"}   # gpu: every CUDA / nccl path of the course in one run
 # Modules allowed past 350 lines, each with the reason it stays whole.
 LONG_MODULES = {
+    "dtcourse/parity.py": "the one harness every parity test goes through, plus PyTorch's own versions as its "
+                          "second references (DDP through Replicated, FSDP2, the DTensor tensor-parallel plan): "
+                          "the adapters are short and belong beside the protocol they implement",
+    "dtcourse/pipeline/execute.py": "the engine that runs every action kind of a schedule (F, B, I, W, STEP and the "
+                                    "four messages), each with the error that says what to change, plus "
+                                    "run_schedule and the parity adapter; splitting it would split one loop",
     "dtcourse/lab/mixed_precision.py": "lesson 04's companion: number formats, gradients against fp16's range and "
                                        "the loss-scale widget, lost updates, the five recipes and their curves, "
                                        "each recipe's bytes held and sent, and four problems; each part under "
@@ -136,7 +142,7 @@ def test_the_package_top_level_holds_only_stems_shared_pieces_and_subpackages():
     packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
     stray = modules - SHARED - set(STEMS)
     assert not stray, f"dtcourse/{sorted(stray)}: put each in its stem's module, lab/, runtime/ or grading/"
-    unknown = packages - SUBPACKAGES - set(STEMS)
+    unknown = packages - SUBPACKAGES - set(STEMS) - SHARED        # a shared piece may grow into a package (models)
     assert not unknown, f"unexpected packages {sorted(unknown)}"
     for old in ("launcher", "timeline", "figure_widget", "ring_widget", "collective_figures", "sampling",
                 "mixed_precision_figures", "checkpointing_measurements", "checkpointing_figures"):
