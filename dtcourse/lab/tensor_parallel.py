@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     import ipywidgets
     from matplotlib.figure import Figure
 
-__all__ = ["TP_GPT", "SPLIT_GPT", "ROWS", "LAYOUTS", "TERMS", "measure_traffic", "layer_bytes", "bytes_table",
+__all__ = ["TP_GPT", "SPLIT_GPT", "ROWS", "LAYOUTS", "Term", "TERMS", "GATHERED", "NODE", "SPLITS", "measure_traffic", "layer_bytes", "bytes_table",
            "SavedByTerm", "LayerSaves", "measure_activations", "predicted_terms", "paper_layer_bytes",
            "activation_table", "Link", "NVLINK", "INFINIBAND", "H100_BF16", "MFU", "GPT3_LAYER", "CostRow",
            "tp_cost", "crossover", "cost_figure", "Split", "gather_split", "placement", "assemble",
@@ -454,7 +454,7 @@ def split_figure(split: Split, config: GPTConfig = SPLIT_GPT) -> Figure:
             cmap = RANK_CMAPS[rank % len(RANK_CMAPS)]
             for part in range(parts):
                 rows, cols = placement(name, rank, part, split.t, config)
-                ax.imshow(a[rows, cols], cmap=cmap, vmin=-2 * limit, vmax=limit, interpolation="nearest",
+                ax.imshow(a[rows, cols].numpy(), cmap=cmap, vmin=-2 * limit, vmax=limit, interpolation="nearest",
                           extent=(cols.start - 0.5, cols.stop - 0.5, rows.stop - 0.5, rows.start - 0.5))
                 ax.add_patch(Rectangle((cols.start - 0.5, rows.start - 0.5), cols.stop - cols.start,
                                        rows.stop - rows.start, fill=False, edgecolor="black", lw=0.8))
@@ -538,7 +538,8 @@ class TensorParallelView(FigureView):
         ax.set_xticks([0, 1], ["forward", "backward"], fontsize=8)
         ax.set_ylabel("KiB sent per rank, block 0", fontsize=8)
         ax.set_ylim(0, 1.6 * layer_bytes(max(k[0] for k in self.saves), saves.s, saves.b, saves.h) / 1024)
-        ax.legend(fontsize=6, loc="upper left")
+        if log is not None:
+            ax.legend(fontsize=6, loc="upper left")
 
 
 def tp_widget(traffic: dict[tuple[int, str], Traffic], saves: dict[tuple[int, str, float], LayerSaves], t: int = 2,
