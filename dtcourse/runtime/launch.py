@@ -21,7 +21,10 @@ Example::
     launch(fn, 4)          # -> [6.0, 6.0, 6.0, 6.0]
 
 The same ``fn`` runs unchanged under ``torchrun`` by calling
-``init_from_env()`` first (see its docstring).
+``init_from_env()`` first (see its docstring). ``max_restarts=k`` restarts every
+rank after one fails, as ``torchrun --max-restarts k`` does, and sets
+``TORCHELASTIC_RESTART_COUNT`` (0, 1, ...) as torchrun does, so one resume code
+(``dtcourse.fault_tolerance``) runs under both.
 
 The children rendezvous through a ``FileStore`` in a temporary file, and gloo connects them
 over loopback (127.0.0.1) on ports the operating system picks, so two launches never collide.
@@ -50,6 +53,7 @@ __all__ = ["launch", "init_from_env", "LaunchError", "RankError", "LaunchTimeout
 # thread per rank also keeps timings comparable between world sizes.
 DEFAULT_THREADS = 1
 DEFAULT_TIMEOUT = 60.0
+RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"     # torchrun's name for the attempt a worker belongs to
 
 
 def init_from_env(backend: str = "auto") -> tuple[int, int]:
@@ -112,7 +116,7 @@ def _warm_imports() -> None:
 
 
 def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT,
-           backend: str = "auto", threads: int = DEFAULT_THREADS, **kwargs: Any) -> list[Any]:
+           backend: str = "auto", threads: int = DEFAULT_THREADS, max_restarts: int = 0, **kwargs: Any) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` forked ranks; return their results by rank.
 
     ``backend`` is ``"auto"`` (nccl with one GPU per rank when there are two ranks or more and
@@ -124,13 +128,41 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float =
     ``.stuck`` (the ranks still running) and ``.stacks`` (where each was). ``threads`` is the
     number of intra-op threads per rank (one by default: see ``DEFAULT_THREADS``). Every child
     is killed before ``launch`` returns or raises.
+
+    ``max_restarts``: when a rank raises or dies (``RankError``, ``LaunchError``), kill every rank and
+    start them all again, up to that many times, each attempt with ``TORCHELASTIC_RESTART_COUNT`` set to
+    its number, as torchrun's agent does. A restart only starts the ranks again: whatever they should
+    resume from, they must have saved and must load themselves. A timeout is not restarted (torchrun
+    does not detect a hang either), and the last attempt's error is raised, with the earlier ones in
+    its ``__notes__``.
     """
     _check_inputs(fn, world_size, timeout, threads)
+    if not isinstance(max_restarts, int) or isinstance(max_restarts, bool) or max_restarts < 0:
+        raise ValueError(f"launch: max_restarts must be an integer >= 0 (how many times to restart every rank "
+                         f"after one fails), got {max_restarts!r}.")
     try:
         backend = choose_backend(world_size, backend)
     except (ValueError, RuntimeError) as err:
         raise (ValueError if isinstance(err, ValueError) else LaunchError)(f"launch: {err}") from None
     _warm_imports()
+    failures: list[str] = []
+    for attempt in range(max_restarts + 1):
+        try:
+            return _attempt(fn, world_size, args, kwargs, backend, float(timeout), threads, attempt)
+        except (RankError, LaunchError) as err:
+            if attempt == max_restarts:
+                for note in failures:
+                    err.add_note(note)
+                raise
+            first = str(err).strip().splitlines()[-1] if isinstance(err, RankError) else str(err)
+            failures.append(f"attempt {attempt} failed: {first}")
+            print(f"[launch] attempt {attempt} of {max_restarts + 1} failed ({first[:120]}); restarting every "
+                  "rank", file=sys.stderr, flush=True)
+    raise AssertionError("unreachable")
+
+
+def _attempt(fn, world_size, args, kwargs, backend, timeout, threads, attempt) -> list[Any]:
+    """One start of every rank, with torchrun's ``TORCHELASTIC_RESTART_COUNT`` set for them to read."""
     sys.stdout.flush()
     sys.stderr.flush()
     # Rendezvous through a FileStore: no server thread in the parent and no
@@ -138,10 +170,16 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float =
     # stuck connecting in about 1 launch in 50 on this machine.)
     handle, store_path = tempfile.mkstemp(prefix="dtcourse-rendezvous-")
     os.close(handle)
+    before = os.environ.get(RESTART_COUNT)
+    os.environ[RESTART_COUNT] = str(attempt)      # inherited by the forks (and by fresh interpreters)
     try:
         return run_ranks(fn, world_size, args, kwargs, backend=backend, store_path=store_path,
-                         timeout=float(timeout), threads=threads)
+                         timeout=timeout, threads=threads)
     finally:
+        if before is None:
+            os.environ.pop(RESTART_COUNT, None)
+        else:
+            os.environ[RESTART_COUNT] = before
         try:
             os.unlink(store_path)
         except FileNotFoundError:
