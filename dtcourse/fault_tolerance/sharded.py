@@ -1,0 +1,66 @@
+"""Sharded checkpoints with ``torch.distributed.checkpoint`` (DCP): each rank writes its shards, any world size reads.
+
+A per-rank snapshot (``snapshot.py``) is the fastest to write and to read back, but only the same number of
+ranks can load it: rank r's file holds rank r's shards. DCP writes each shard with its place in the full
+tensor (the DTensor placements of an FSDP2 or tensor-parallel model), so a job restarted on 4 ranks can load
+what 2 ranks saved: each rank reads the pieces of the saved shards that overlap its own. ``get_state_dict``
+and ``set_state_dict`` (``torch.distributed.checkpoint.state_dict``) give the model's and the optimizer's
+state in that form, the optimizer's keyed by parameter name rather than by position.
+
+``save(..., blocking=False)`` is ``dcp.async_save``: the state is first copied to CPU memory (the
+"staging"), then written by a background thread while training goes on; the returned future must be
+waited on before the next save. Example, on every rank of an FSDP2 job::
+
+    save(directory, model, optimizer, step=100)          # every rank writes its shards; rank 0 the metadata
+    step = load(directory, model, optimizer)             # 100, on any number of ranks
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import Future
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+__all__ = ["save", "load"]
+
+
+def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None, step: int) -> dict:
+    if optimizer is None:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+        return {"model": get_model_state_dict(model), "step": torch.tensor(step)}
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optimizer": optim_sd, "step": torch.tensor(step)}
+
+
+def save(directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+         step: int = 0, blocking: bool = True) -> Future | None:
+    """Write ``model``'s (and ``optimizer``'s) shards to ``directory`` with DCP; every rank calls it.
+
+    ``blocking=False``: ``dcp.async_save``; returns the future to ``.result()`` before the next save.
+    """
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    state = _state(model, optimizer, step)
+    if blocking:
+        dcp.save(state, checkpoint_id=str(directory))
+        return None
+    return dcp.async_save(state, checkpoint_id=str(directory))
+
+
+def load(directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
+    """Read ``directory`` into ``model`` (and ``optimizer``), resharded to this job's ranks; return the step."""
+    if not (Path(directory) / ".metadata").exists():
+        raise FileNotFoundError(f"{directory} holds no DCP checkpoint (no .metadata): save one there first with "
+                                "dtcourse.fault_tolerance.sharded.save, on every rank.")
+    state = _state(model, optimizer, 0)
+    dcp.load(state, checkpoint_id=str(directory))                # fills the tensors in place, resharded
+    if optimizer is None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+        set_model_state_dict(model, state["model"])
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    return int(state["step"])
