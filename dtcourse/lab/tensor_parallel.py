@@ -413,31 +413,29 @@ def gather_split(t: int = 2, config: GPTConfig = SPLIT_GPT) -> Split:
                  {n: [shards[n] for shards, _ in per_rank] for n in SPLITS}, per_rank[0][1])
 
 
-def placement(name: str, rank: int, part: int, t: int, config: GPTConfig = SPLIT_GPT) -> tuple[slice, slice]:
+def placement(split: Split, name: str, rank: int, part: int) -> tuple[slice, slice]:
     """Where rank's block of ``part`` sits in A = weightᵀ (Y = XA, as the paper writes it): (rows, columns)."""
-    out_features, in_features = {"attn.c_attn": (3, 1), "attn.c_proj": (1, 1), "mlp.c_fc": (4, 1),
-                                 "mlp.c_proj": (1, 4)}[name]
-    n_in, n_out = in_features * config.d_model, out_features * config.d_model
+    n_out, n_in = split.full[name].shape                 # nn.Linear's weight is (out, in)
     dim, parts = SPLITS[name]
-    if dim == 0:                                 # column-parallel: A's columns, in each part
-        width = n_out // parts // t
-        return slice(0, n_in), slice(part * n_out // parts + rank * width, part * n_out // parts + (rank + 1) * width)
-    height = n_in // t                           # row-parallel: A's rows
+    if dim == 0:                                         # column-parallel: A's columns, in each of the parts
+        start, width = part * n_out // parts, n_out // parts // split.t
+        return slice(0, n_in), slice(start + rank * width, start + (rank + 1) * width)
+    height = n_in // split.t                             # row-parallel: A's rows
     return slice(rank * height, (rank + 1) * height), slice(0, n_out)
 
 
-def assemble(split: Split, name: str, config: GPTConfig = SPLIT_GPT) -> torch.Tensor:
+def assemble(split: Split, name: str) -> torch.Tensor:
     """A = weightᵀ rebuilt by putting every rank's shard where ``placement`` (and the figure) says it sits."""
     parts = SPLITS[name][1]
     a = torch.full_like(split.full[name].T, float("nan"))
     for rank, shard in enumerate(split.shards[name]):
         for part, block in enumerate(shard.T.chunk(parts, dim=1)):
-            rows, cols = placement(name, rank, part, split.t, config)
+            rows, cols = placement(split, name, rank, part)
             a[rows, cols] = block
     return a
 
 
-def split_figure(split: Split, config: GPTConfig = SPLIT_GPT) -> Figure:
+def split_figure(split: Split) -> Figure:
     """A = weightᵀ of block 0's four matrices, each rank's slice a heat map in its own hue, where it sits in A."""
     from matplotlib.figure import Figure
     from matplotlib.patches import Rectangle
@@ -449,11 +447,11 @@ def split_figure(split: Split, config: GPTConfig = SPLIT_GPT) -> Figure:
               "mlp.c_proj": "MLP c_proj: row-parallel"}
     limit = max(w.abs().max().item() for w in split.full.values())
     for ax, name in zip(axes.flat, ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")):
-        a, parts = assemble(split, name, config), SPLITS[name][1]
+        a, parts = assemble(split, name), SPLITS[name][1]
         for rank in range(split.t):
             cmap = RANK_CMAPS[rank % len(RANK_CMAPS)]
             for part in range(parts):
-                rows, cols = placement(name, rank, part, split.t, config)
+                rows, cols = placement(split, name, rank, part)
                 ax.imshow(a[rows, cols].numpy(), cmap=cmap, vmin=-2 * limit, vmax=limit, interpolation="nearest",
                           extent=(cols.start - 0.5, cols.stop - 0.5, rows.stop - 0.5, rows.start - 0.5))
                 ax.add_patch(Rectangle((cols.start - 0.5, rows.start - 0.5), cols.stop - cols.start,
