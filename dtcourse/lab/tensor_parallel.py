@@ -45,12 +45,12 @@ if TYPE_CHECKING:
     import ipywidgets
     from matplotlib.figure import Figure
 
-__all__ = ["TP_GPT", "SPLIT_GPT", "ROWS", "LAYOUTS", "Term", "TERMS", "GATHERED", "NODE", "SPLITS", "measure_traffic", "layer_bytes", "bytes_table",
-           "SavedByTerm", "LayerSaves", "measure_activations", "predicted_terms", "paper_layer_bytes",
-           "activation_table", "Link", "NVLINK", "INFINIBAND", "H100_BF16", "MFU", "GPT3_LAYER", "CostRow",
-           "tp_cost", "crossover", "cost_figure", "Split", "gather_split", "placement", "assemble",
-           "split_figure", "TensorParallelView", "tp_widget", "problem_layer_bytes", "problem_tp_activations",
-           "problem_sp_share", "problem_loss_bytes", "problem_inter_node"]
+__all__ = ["TP_GPT", "SPLIT_GPT", "ROWS", "LAYOUTS", "Term", "TERMS", "GATHERED", "NODE", "SPLITS",
+           "measure_traffic", "layer_bytes", "bytes_table", "SavedByTerm", "LayerSaves", "measure_activations",
+           "predicted_terms", "paper_layer_bytes", "activation_table", "Link", "NVLINK", "INFINIBAND", "H100_BF16",
+           "MFU", "GPT3_LAYER", "CostRow", "tp_cost", "crossover", "cost_figure", "Split", "gather_split",
+           "placement", "assemble", "split_figure", "TensorParallelView", "tp_widget", "problem_layer_bytes",
+           "problem_tp_activations", "problem_sp_share", "problem_loss_bytes", "problem_inter_node"]
 
 # Every size divides by t = 1, 2, 3 and 4: 12 heads of 4, 4·d_model = 192, vocabulary 48, sequence 24.
 # Head size 4 differs from the sequence 24, so a saved (…, T, T) tensor is always attention probabilities.
