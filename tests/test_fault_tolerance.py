@@ -29,6 +29,9 @@ adamw = functools.partial(torch.optim.AdamW, lr=1e-2)
 def _ddp(model, which):
     if which == "torch":
         return torch.nn.parallel.DistributedDataParallel(model)
+    if which == "zero3":                                   # lesson 06's ZeRO-3: it holds its own optimizer
+        from dtcourse.zero import ZeRO
+        return ZeRO(model, stage=3, optimizer=adamw)
     from dtcourse.data_parallel import DistributedDataParallel
     return DistributedDataParallel(model, strategy="overlapped", comm="backend")
 
@@ -37,10 +40,10 @@ def _train(directory, kill: str | None, ddp: str = "torch"):
     """Train STEPS steps with snapshots; on the first attempt, rank 1 fails at FAIL_AT (``kill``)."""
     rank = dist.get_rank()
     model = _ddp(GPT(CFG, seed=0), ddp)
-    optimizer = adamw(model.parameters())
+    optimizer = model.optimizer if ddp == "zero3" else adamw(model.parameters())
     torch.manual_seed(100 + rank)                          # each rank's own stream: dropout and data
     snaps = Snapshots(directory, keep=2)
-    resumed = snaps.restore(model, optimizer)
+    resumed = snaps.restore(model, None if ddp == "zero3" else optimizer)
     first, losses = (0, []) if resumed is None else (resumed.step, resumed.extra["losses"])
     for step in range(first, STEPS):
         if kill and restart_count() == 0 and step == FAIL_AT and rank == 1:
@@ -48,17 +51,18 @@ def _train(directory, kill: str | None, ddp: str = "torch"):
                 raise RuntimeError("a worker failed")
             os.kill(os.getpid(), signal.SIGKILL)
         idx = torch.randint(CFG.vocab_size, (4, CFG.block_size))   # the data drawn from the generator too
-        optimizer.zero_grad(set_to_none=True)
+        (model if ddp == "zero3" else optimizer).zero_grad()
         loss = lm_loss(model(idx), idx.roll(-1, dims=1))
         loss.backward()
-        optimizer.step()
+        (model if ddp == "zero3" else optimizer).step()
         losses.append(loss.item())
         if (step + 1) % EVERY == 0:
-            snaps.save(step + 1, model, optimizer, losses=list(losses))
-    return losses, [p.detach().clone() for p in model.parameters()], restart_count(), first
+            snaps.save(step + 1, model, None if ddp == "zero3" else optimizer, losses=list(losses))
+    params = list(model.full_parameters().values()) if ddp == "zero3" else [p.detach().clone() for p in model.parameters()]
+    return losses, params, restart_count(), first
 
 
-@pytest.mark.parametrize("world, ddp", [(2, "torch"), (3, "dtcourse")])
+@pytest.mark.parametrize("world, ddp", [(2, "torch"), (3, "dtcourse"), (3, "zero3")])
 def test_a_killed_run_resumes_bit_for_bit(world, ddp, tmp_path):
     never = launch(_train, world, str(tmp_path / "never"), None, ddp, timeout=120)
     for kill in ("raise", "sigkill"):

@@ -18,7 +18,7 @@ size, the model's parameter names and shapes and each rank's file's SHA-256: a s
 ignored, and one whose file no longer matches its checksum is skipped for the one before, on every rank
 alike. Example, on every rank (DDP or one process)::
 
-    snaps = Snapshots("runs/demo", keep=2)
+    snaps = Snapshots("runs/demo", keep=2)           # ZeRO keeps its optimizer: snaps.save(step, zero_model)
     start = snaps.restore(model, optimizer)           # None on the first attempt, else the step to resume from
     for step in range(0 if start is None else start.step, steps):
         train_one_step(step)
@@ -80,8 +80,24 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def model_signature(model: nn.Module) -> list[tuple[str, list[int]]]:
-    """The parameter names and shapes a snapshot was taken from: what ``restore`` checks before loading."""
+    """The parameter names and shapes a snapshot was taken from: what ``restore`` checks before loading.
+
+    A model that keeps only this rank's part (``dtcourse.zero.ZeRO``) gives its ``shard_layout()``."""
+    if hasattr(model, "shard_layout"):
+        return [(n, list(s)) for n, s in model.shard_layout()]
     return [(n, list(t.shape)) for n, t in model.state_dict().items()]
+
+
+def _model_state(model: nn.Module) -> Any:
+    """``state_dict()``, or this rank's part (and its optimizer's) for a sharded model with ``shard_state()``."""
+    return model.shard_state() if hasattr(model, "shard_state") else model.state_dict()
+
+
+def _load_model_state(model: nn.Module, state: Any) -> None:
+    if hasattr(model, "load_shard_state"):
+        model.load_shard_state(state)
+    else:
+        model.load_state_dict(state)
 
 
 @dataclass(frozen=True)
@@ -135,7 +151,7 @@ class Snapshots:
         """Write this rank's snapshot of ``step`` (the step to resume from), then mark it complete."""
         folder = self.directory / f"step-{step:06d}"
         folder.mkdir(exist_ok=True)
-        state = {"step": step, "model": model.state_dict(), "rng": rng_state(), "extra": extra,
+        state = {"step": step, "model": _model_state(model), "rng": rng_state(), "extra": extra,
                  "optimizer": None if optimizer is None else optimizer.state_dict()}
         buffer = io.BytesIO()
         torch.save(state, buffer)
@@ -164,7 +180,7 @@ class Snapshots:
                 print(f"[rank {self.rank}] snapshot {folder.name} is damaged on some rank; trying the one before",
                       file=sys.stderr)
                 continue
-            model.load_state_dict(state["model"])
+            _load_model_state(model, state["model"])
             if optimizer is not None and state["optimizer"] is not None:
                 optimizer.load_state_dict(state["optimizer"])
             set_rng_state(state["rng"])

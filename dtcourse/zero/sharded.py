@@ -307,6 +307,35 @@ class ZeRO(nn.Module):
         loss_fn(out, y).backward()
         return out.detach()
 
+    # ------------------------------------------------------------------ #
+    # Snapshots (lesson 12): this rank's part of the state, saved and loaded by the rank itself
+    # ------------------------------------------------------------------ #
+    def shard_layout(self) -> list[tuple[str, list[int]]]:
+        """What this rank's part belongs to: each flat's parameter names and padded size, the stage, N."""
+        return [(f"stage {self.stage} of {self.world} ranks", [])] + [
+            (",".join(f.names), [f.padded]) for f in self._flats()]
+
+    def shard_state(self) -> dict[str, Any]:
+        """This rank's part of the training state: each flat's owned part (the fp32 master where trained) and
+        the optimizer's state of those parts. ``dtcourse.fault_tolerance.Snapshots`` saves it per rank."""
+        return {"layout": self.shard_layout(), "optimizer": self.optimizer.state_dict(),
+                "parts": [(f.master if f.trainable else f.shard).detach().clone() for f in self._flats()]}
+
+    def load_shard_state(self, state: dict[str, Any]) -> None:
+        """Put back what ``shard_state`` gave, on the same stage and number of ranks; refresh what is kept full."""
+        if [tuple(x) for x in state["layout"]] != [tuple(x) for x in self.shard_layout()]:
+            raise ValueError(f"ZeRO.load_shard_state: the state is of {state['layout'][0][0]}, this model is "
+                             f"{self.shard_layout()[0][0]} (or other parameters): load it into the same model, "
+                             "stage and world size, or reshard through torch.distributed.checkpoint.")
+        with torch.no_grad():
+            for flat, part in zip(self._flats(), state["parts"]):
+                (flat.master if flat.trainable else flat.shard).copy_(part)
+                if flat.trainable and flat.master.data_ptr() != flat.shard.data_ptr():
+                    flat.shard.copy_(flat.master)          # the 16-bit part from its fp32 master
+                if 1 <= self.stage <= 2:                   # kept full: everyone's parts again (N-1)/N * nbytes
+                    all_gather_single(flat.full, flat.shard.clone(), group=self.group)
+        self.optimizer.load_state_dict(state["optimizer"])
+
     def gathered_units(self) -> list[str]:
         """Names of the units whose parameters are gathered now, or being gathered."""
         return [u.name for u in self.units if u.state != "free"]
