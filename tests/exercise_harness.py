@@ -55,6 +55,9 @@ EXPECTED = {
         frozenset({"check_gradients_hidden", "check_memory_hidden", "check_parity_hidden", "check_traffic_hidden"})),
     "08_pipeline_1f1b": Expected(
         "Exercise 08: pipeline 1f1b", 10, 6, frozenset({"check_valid_hidden", "check_order_hidden", "check_run_hidden"})),
+    "09_tensor_parallel_layers": Expected(
+        "Exercise 09: tensor parallel layers", 10, 8,
+        frozenset({"check_f_and_g_hidden", "check_column_hidden", "check_row_hidden", "check_mlp_hidden"})),
 }
 
 

@@ -51,6 +51,10 @@ LONG_MODULES = {
     "dtcourse/checks/pipeline.py": "exercise 08's three graded checks (valid, order, run on ranks) share one reading "
                                    "of the student's schedule and one catalogue of the usual mistakes that names "
                                    "which one a wrong schedule is; most of each check is its explanation",
+    "dtcourse/checks/tensor_parallel.py": "exercise 09's four graded checks (f and g, column, row, the MLP) share one "
+                                          "set of cases and groups, one recorder of every collective's bytes and "
+                                          "process group, and one reading of what a rank holds; most of each check "
+                                          "is its explanation, by rank, tensor and byte",
     "dtcourse/lab/data_parallel.py": "lesson 02's companion: shards, DDP timelines, pricing the step (fitted link "
                                      "with its fallback, forward-pass collectives, FLOP rate, the GPU case, the "
                                      "bucket figure) and five problems; each part under 120 lines",

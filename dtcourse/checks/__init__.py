@@ -14,6 +14,7 @@ itself, so that nothing a solution cell binds can stand in for it::
 * ``dtcourse.checks.checkpointing``: exercise 05 (a checkpointed sequential container)
 * ``dtcourse.checks.zero``: exercise 06 (the ZeRO stage-2 step: reduce-scatter, sharded step, all-gather)
 * ``dtcourse.checks.pipeline``: exercise 08 (the 1F1B schedule generator, as data)
+* ``dtcourse.checks.tensor_parallel``: exercise 09 (Megatron's f and g, column- and row-parallel linear layers)
 * ``dtcourse.checks.common``: running a check on ranks and reporting what went wrong
 * ``dtcourse.checks.guard``: what the student's code may call, and what it sent, while it runs
 
@@ -52,7 +53,8 @@ __all__ = ["check_model_states", "check_activations",
            "check_loss_scaler",
            "check_segment_bounds", "check_checkpoint_gradients", "check_checkpoint_memory",
            "check_zero_gradients", "check_zero_memory", "check_zero_parity", "check_zero_traffic",
-           "check_1f1b_valid", "check_1f1b_order", "check_1f1b_run"]
+           "check_1f1b_valid", "check_1f1b_order", "check_1f1b_run",
+           "check_f_and_g", "check_column_parallel", "check_row_parallel", "check_parallel_mlp"]
 
 # loaded afresh for every check, in this order (each module's imports find the fresh ones before it)
 _FRESH = ("dtcourse.runtime.results", "dtcourse.runtime.processes", "dtcourse.runtime.launch",
@@ -177,6 +179,10 @@ check_zero_traffic = _isolated("zero", "check_zero_traffic")
 check_1f1b_valid = _isolated("pipeline", "check_1f1b_valid")
 check_1f1b_order = _isolated("pipeline", "check_1f1b_order")
 check_1f1b_run = _isolated("pipeline", "check_1f1b_run")
+check_f_and_g = _isolated("tensor_parallel", "check_f_and_g")
+check_column_parallel = _isolated("tensor_parallel", "check_column_parallel")
+check_row_parallel = _isolated("tensor_parallel", "check_row_parallel")
+check_parallel_mlp = _isolated("tensor_parallel", "check_parallel_mlp")
 
 
 def _seal() -> None:

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from dtcourse.runtime.compat import all_gather_single, reduce_scatter_single
+from dtcourse.runtime.refuse import reference
 
 __all__ = ["Record", "Traffic", "copy_to_tensor_parallel", "reduce_from_tensor_parallel",
            "gather_from_sequence_parallel", "reduce_scatter_to_sequence_parallel"]
@@ -162,12 +163,14 @@ class _ReduceScatterToSequenceParallel(torch.autograd.Function):
         return _all_gather_seq(grad, ctx.group, ctx.traffic, ctx.where, "backward"), None, None, None
 
 
+@reference("tensor_parallel", "09")   # exercise 09 writes f and g: refused while its checks run
 def copy_to_tensor_parallel(x: torch.Tensor, group: dist.ProcessGroup | None,
                             traffic: Traffic | None = None, where: str = "") -> torch.Tensor:
     """Megatron's f (before a column-parallel layer)."""
     return _CopyToTensorParallel.apply(x, group, traffic, where)
 
 
+@reference("tensor_parallel", "09")   # exercise 09 writes f and g: refused while its checks run
 def reduce_from_tensor_parallel(x: torch.Tensor, group: dist.ProcessGroup | None,
                                 traffic: Traffic | None = None, where: str = "") -> torch.Tensor:
     """Megatron's g (after a row-parallel layer)."""
