@@ -55,6 +55,13 @@ LONG_MODULES = {
                                           "set of cases and groups, one recorder of every collective's bytes and "
                                           "process group, and one reading of what a rank holds; most of each check "
                                           "is its explanation, by rank, tensor and byte",
+    "dtcourse/zero/sharded.py": "ZeRO's one class, stages 0 to 3 on one flat-shard structure: forward and backward "
+                                "hooks, the reductions, the step, the parity protocol and the per-rank snapshot "
+                                "state (lesson 12) all act on the same flats; splitting it would split the class",
+    "dtcourse/lab/tensor_parallel.py": "lesson 09's companion: bytes per layer from the Traffic log, one block's saved "
+                                       "bytes by Korthikanti's terms with Megatron's kept shards as a hook, the "
+                                       "alpha-beta cost figure, the split figure from real shards, the widget and five "
+                                       "problems; each part under 200 lines",
     "dtcourse/lab/data_parallel.py": "lesson 02's companion: shards, DDP timelines, pricing the step (fitted link "
                                      "with its fallback, forward-pass collectives, FLOP rate, the GPU case, the "
                                      "bucket figure) and five problems; each part under 120 lines",
