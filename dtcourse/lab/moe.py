@@ -39,8 +39,7 @@ __all__ = ["LAB_GPT", "EP_GPT", "COMPUTE_GPT", "ROWS", "EP_ROWS", "CFS", "Traini
            "problem_parameters"]
 
 # Switch's layer (top-1, capacity factor 1.25) in a tiny GPT: 80 AdamW steps of 256 tokens take about a second.
-LAB_GPT = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, d_model=32, n_expert=8, top_k=1,
-                    capacity_factor=1.25)
+LAB_GPT = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, d_model=32, n_expert=8, capacity_factor=1.25)
 EP_GPT = replace(LAB_GPT, top_k=2)           # GShard's top-2 for the ranks: E = 8 splits over ep = 2 and 4
 COMPUTE_GPT = GPTConfig(vocab_size=64, block_size=64, n_layer=2, n_head=4, d_model=128)   # for the step times
 ROWS, EP_ROWS = 16, 2                        # sequences: a batch of 256 tokens per MoE layer; 32 tokens per rank
@@ -168,7 +167,8 @@ def _bytes_rank(config: GPTConfig, rows: int) -> dict[str, dict]:
         model = expert_parallelize(GPT(replace(config, capacity_factor=cf), seed=0), None, log)
         idx, targets = token_batch(config, rows, seed=dist.get_rank())
         lm_loss(model(idx), targets).backward()       # one training step's four exchanges per MoE layer
-        out[mode] = {"forward": log.total("sent", phase="forward"), "backward": log.total("sent", phase="backward"),
+        sent = {ph: log.total(phase=ph) - log.total(phase=ph, what="counts") for ph in ("forward", "backward")}
+        out[mode] = {**sent, "counts": log.total("sent", what="counts"),    # dropless sends the counts first
                      "tokens": torch.stack([b.mlp.stats["tokens_per_expert"] for b in model.blocks])}   # (layers, E)
     return out
 

@@ -222,8 +222,10 @@ class GPT(nn.Module):
                 nn.init.zeros_(m.bias)
 
     def aux_loss(self) -> torch.Tensor:
-        """The MoE layers' auxiliary losses of the last forward, summed (0 for a dense GPT); for reporting."""
-        return sum((b.mlp.aux_loss for b in self.blocks if isinstance(b.mlp, MoE)), torch.zeros(()))
+        """The MoE layers' auxiliary losses of the last forward, summed (0 for a dense GPT); for reporting.
+
+        Any block MLP with an ``aux_loss`` counts, so an expert-parallel layer (``dtcourse.moe``) does too."""
+        return sum((b.mlp.aux_loss for b in self.blocks if hasattr(b.mlp, "aux_loss")), torch.zeros(()))
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         B, T = idx.shape

@@ -85,8 +85,10 @@ def all_to_all(x: torch.Tensor, output_splits: Sequence[int], input_splits: Sequ
                            what)
 
 
-def exchange_counts(counts: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+def exchange_counts(counts: torch.Tensor, group: dist.ProcessGroup | None, log: AllToAllLog | None = None,
+                    where: str = "") -> torch.Tensor:
     """``counts`` (ep, k): what this rank will send to each rank; returns (ep, k): what each rank will send it."""
     received = torch.empty_like(counts)
     dist.all_to_all_single(received, counts.contiguous(), group=group)     # sends (ep-1) k integers per rank
+    _log(log, where, "counts", "forward", counts, [1] * counts.shape[0], [1] * counts.shape[0], group)
     return received
