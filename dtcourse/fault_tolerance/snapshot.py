@@ -43,6 +43,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from dtcourse.runtime.refuse import reference
+
 __all__ = ["Snapshots", "Resumed", "rng_state", "set_rng_state", "restart_count", "SnapshotError"]
 
 MARKER = "COMPLETE"
@@ -58,6 +60,7 @@ def restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
+@reference("fault_tolerance", "12")   # exercise 12 saves the generators itself: refused while its checks run
 def rng_state() -> dict[str, Any]:
     """Every generator's state: Python's, NumPy's (if imported), torch's CPU one and each GPU's (if CUDA is on)."""
     state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
@@ -68,6 +71,7 @@ def rng_state() -> dict[str, Any]:
     return state
 
 
+@reference("fault_tolerance", "12")   # exercise 12 restores them itself: refused while its checks run
 def set_rng_state(state: dict[str, Any]) -> None:
     """Put every generator back where ``rng_state`` found it."""
     random.setstate(state["python"])
@@ -146,6 +150,7 @@ class Snapshots:
                              "directory this job may write to, on storage every restart can read.") from None
 
     # ------------------------------------------------------------------ save
+    @reference("fault_tolerance", "12")   # exercise 12 writes save_snapshot: refused while its checks run
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
              **extra: Any) -> Path:
         """Write this rank's snapshot of ``step`` (the step to resume from), then mark it complete."""
@@ -166,6 +171,7 @@ class Snapshots:
         return folder
 
     # ------------------------------------------------------------------ restore
+    @reference("fault_tolerance", "12")   # exercise 12 writes load_snapshot: refused while its checks run
     def restore(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Resumed | None:
         """Load the newest complete snapshot that every rank can read; None if there is none.
 
