@@ -58,6 +58,12 @@ EXPECTED = {
     "09_tensor_parallel_layers": Expected(
         "Exercise 09: tensor parallel layers", 10, 8,
         frozenset({"check_f_and_g_hidden", "check_column_hidden", "check_row_hidden", "check_mlp_hidden"})),
+    "11_moe_dispatch": Expected(
+        "Exercise 11: moe dispatch", 10, 6,
+        frozenset({"check_positions_hidden", "check_dispatch_hidden", "check_combine_hidden"})),
+    "12_fault_tolerance_snapshot": Expected(
+        "Exercise 12: fault tolerance snapshot", 10, 7,
+        frozenset({"check_round_trip_hidden", "check_atomic_hidden", "check_resume_hidden"})),
 }
 
 

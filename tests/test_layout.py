@@ -51,6 +51,10 @@ LONG_MODULES = {
     "dtcourse/checks/pipeline.py": "exercise 08's three graded checks (valid, order, run on ranks) share one reading "
                                    "of the student's schedule and one catalogue of the usual mistakes that names "
                                    "which one a wrong schedule is; most of each check is its explanation",
+    "dtcourse/checks/fault_tolerance.py": "exercise 12's four graded checks (round trip, atomic, size, resume on "
+                                          "ranks) share one reading of a snapshot's tensors and generators and one "
+                                          "launcher that restarts the ranks; the atomic check's audit hook and its "
+                                          "kills mid-save, and each check's explanation by step and tensor",
     "dtcourse/checks/tensor_parallel.py": "exercise 09's four graded checks (f and g, column, row, the MLP) share one "
                                           "set of cases and groups, one recorder of every collective's bytes and "
                                           "process group, and one reading of what a rank holds; most of each check "

@@ -15,6 +15,8 @@ itself, so that nothing a solution cell binds can stand in for it::
 * ``dtcourse.checks.zero``: exercise 06 (the ZeRO stage-2 step: reduce-scatter, sharded step, all-gather)
 * ``dtcourse.checks.pipeline``: exercise 08 (the 1F1B schedule generator, as data)
 * ``dtcourse.checks.tensor_parallel``: exercise 09 (Megatron's f and g, column- and row-parallel linear layers)
+* ``dtcourse.checks.moe``: exercise 11 (expert parallelism: positions in experts, dispatch and combine)
+* ``dtcourse.checks.fault_tolerance``: exercise 12 (a snapshot's save and load: atomic, resumed bit for bit)
 * ``dtcourse.checks.common``: running a check on ranks and reporting what went wrong
 * ``dtcourse.checks.guard``: what the student's code may call, and what it sent, while it runs
 
@@ -54,7 +56,9 @@ __all__ = ["check_model_states", "check_activations",
            "check_segment_bounds", "check_checkpoint_gradients", "check_checkpoint_memory",
            "check_zero_gradients", "check_zero_memory", "check_zero_parity", "check_zero_traffic",
            "check_1f1b_valid", "check_1f1b_order", "check_1f1b_run",
-           "check_f_and_g", "check_column_parallel", "check_row_parallel", "check_parallel_mlp"]
+           "check_f_and_g", "check_column_parallel", "check_row_parallel", "check_parallel_mlp",
+           "check_moe_positions", "check_moe_dispatch", "check_moe_combine",
+           "check_snapshot_round_trip", "check_snapshot_atomic", "check_snapshot_size", "check_snapshot_resume"]
 
 # loaded afresh for every check, in this order (each module's imports find the fresh ones before it)
 _FRESH = ("dtcourse.runtime.results", "dtcourse.runtime.processes", "dtcourse.runtime.launch",
@@ -183,6 +187,13 @@ check_f_and_g = _isolated("tensor_parallel", "check_f_and_g")
 check_column_parallel = _isolated("tensor_parallel", "check_column_parallel")
 check_row_parallel = _isolated("tensor_parallel", "check_row_parallel")
 check_parallel_mlp = _isolated("tensor_parallel", "check_parallel_mlp")
+check_moe_positions = _isolated("moe", "check_moe_positions")
+check_moe_dispatch = _isolated("moe", "check_moe_dispatch")
+check_moe_combine = _isolated("moe", "check_moe_combine")
+check_snapshot_round_trip = _isolated("fault_tolerance", "check_snapshot_round_trip")
+check_snapshot_atomic = _isolated("fault_tolerance", "check_snapshot_atomic")
+check_snapshot_size = _isolated("fault_tolerance", "check_snapshot_size")
+check_snapshot_resume = _isolated("fault_tolerance", "check_snapshot_resume")
 
 
 def _seal() -> None:
