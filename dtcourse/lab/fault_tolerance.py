@@ -111,12 +111,13 @@ def _without_rng(main, *args, **kwargs):
 
 def run_script(script: str | os.PathLike, directory: str | os.PathLike, world: int = 2, max_restarts: int = 0,
                restore_rng: bool = True, timeout: float = 120.0, **options) -> Run:
-    """``main(directory, **options)`` of ``script`` on ``world`` forked ranks, restarted up to ``max_restarts``
-    times as torchrun would; ``restore_rng=False`` resumes without the generators' states."""
+    """``main(directory, **options)`` of ``script`` on ``world`` forked gloo ranks (the script trains on CPUs),
+    restarted up to ``max_restarts`` times as torchrun would; ``restore_rng=False`` resumes without the
+    generators' states."""
     main = runpy.run_path(str(script))["main"]
     Path(directory).mkdir(parents=True, exist_ok=True)
     fn, args = (main, ()) if restore_rng else (_without_rng, (main,))
-    launch(fn, world, *args, str(directory), timeout=timeout, max_restarts=max_restarts, **options)
+    launch(fn, world, *args, str(directory), timeout=timeout, max_restarts=max_restarts, backend="gloo", **options)
     return Run.load(directory)
 
 
@@ -308,9 +309,9 @@ def _save_rank(directory: str, config: GPTConfig, repeats: int) -> dict[str, lis
 
 def save_times(config: GPTConfig = DDP_GPT, repeats: int = 5, world: int = 2) -> dict[str, float]:
     """Median seconds of a training step and of each way to save (rank 0, between barriers), and the snapshot's
-    bytes per rank, for ``config`` with AdamW under DDP on ``world`` ranks."""
+    bytes per rank, for ``config`` with AdamW under DDP on ``world`` CPU ranks."""
     with tempfile.TemporaryDirectory() as directory:
-        times = launch(_save_rank, world, directory, config, repeats, timeout=120)[0]
+        times = launch(_save_rank, world, directory, config, repeats, timeout=120, backend="gloo")[0]
     out = {k: statistics.median(v[1:] if len(v) > 1 else v) for k, v in times.items()}
     out["dcp async, until written"] += out["dcp async, until it returns"]
     out["parameters"] = sum(p.numel() for p in GPT(config).parameters())
