@@ -182,3 +182,22 @@ def test_a_sharded_checkpoint_of_two_ranks_resumes_on_four(tmp_path):
         assert worst < 1e-5, worst
     with pytest.raises(RankError, match=r"holds no DCP checkpoint \(no .metadata\)"):
         launch(_fsdp_run, 2, str(tmp_path / "nothing"), 0, 1, None, True, timeout=60)
+
+
+def _async_saves(directory):
+    from dtcourse.fault_tolerance import sharded
+    model = torch.nn.parallel.DistributedDataParallel(GPT(DENSE, seed=0))
+    try:
+        sharded.save(directory, model, blocking=False)
+    except ValueError as err:
+        refused = str(err)
+    saver = dist.new_group(backend="gloo")                    # made once, on every rank
+    future = sharded.save(directory, model, step=7, blocking=False, group=saver)
+    dist.barrier()                                            # a collective of training's beside the save's own
+    future.result()
+    return refused, sharded.load(directory, model)
+
+
+def test_an_async_save_needs_a_group_of_its_own_and_then_overlaps_training(tmp_path):
+    for refused, step in launch(_async_saves, 2, str(tmp_path / "async"), timeout=60):
+        assert "give it a process group of its own" in refused and step == 7

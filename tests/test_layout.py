@@ -66,6 +66,10 @@ LONG_MODULES = {
     "dtcourse/zero/sharded.py": "ZeRO's one class, stages 0 to 3 on one flat-shard structure: forward and backward "
                                 "hooks, the reductions, the step, the parity protocol and the per-rank snapshot "
                                 "state (lesson 12) all act on the same flats; splitting it would split the class",
+    "dtcourse/lab/fault_tolerance.py": "lesson 12's companion: the lesson's scripts run under launch, torchrun and two "
+                                       "elastic agents with every process they start tagged and killed, the time a "
+                                       "failure costs, save times, the Young/Daly interval against a simulated job, "
+                                       "two figures and five problems; each part under 120 lines",
     "dtcourse/lab/tensor_parallel.py": "lesson 09's companion: bytes per layer from the Traffic log, one block's saved "
                                        "bytes by Korthikanti's terms with Megatron's kept shards as a hook, the "
                                        "alpha-beta cost figure, the split figure from real shards, the widget and five "

@@ -9,7 +9,10 @@ state in that form, the optimizer's keyed by parameter name rather than by posit
 
 ``save(..., blocking=False)`` is ``dcp.async_save``: the state is first copied to CPU memory (the
 "staging"), then written by a background thread while training goes on; the returned future must be
-waited on before the next save. Example, on every rank of an FSDP2 job::
+waited on before the next save. That thread runs collectives of its own (the plan, the metadata), so it needs a
+process group of its own (``group=dist.new_group(backend="gloo")``, made once): sharing the training's, a DDP
+all-reduce or a barrier beside it can pair with the wrong collective and hang (it did, on 2 gloo ranks).
+Example, on every rank of an FSDP2 job::
 
     save(directory, model, optimizer, step=100)          # every rank writes its shards; rank 0 the metadata
     step = load(directory, model, optimizer)             # 100, on any number of ranks
@@ -22,6 +25,7 @@ from concurrent.futures import Future
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -38,17 +42,22 @@ def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None, step: int)
 
 
 def save(directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-         step: int = 0, blocking: bool = True) -> Future | None:
+         step: int = 0, blocking: bool = True, group: dist.ProcessGroup | None = None) -> Future | None:
     """Write ``model``'s (and ``optimizer``'s) shards to ``directory`` with DCP; every rank calls it.
 
-    ``blocking=False``: ``dcp.async_save``; returns the future to ``.result()`` before the next save.
+    ``blocking=False``: ``dcp.async_save`` over ``group``, a process group kept for checkpoints (module
+    docstring); returns the future to ``.result()`` before the next save.
     """
+    if not blocking and group is None and dist.is_initialized() and dist.get_world_size() > 1:
+        raise ValueError("sharded.save(blocking=False) runs collectives from a background thread: give it a process "
+                         "group of its own, made once on every rank, group=dist.new_group(backend='gloo'), so they "
+                         "cannot pair with the training's collectives.")
     Path(directory).mkdir(parents=True, exist_ok=True)
     state = _state(model, optimizer, step)
     if blocking:
-        dcp.save(state, checkpoint_id=str(directory))
+        dcp.save(state, checkpoint_id=str(directory), process_group=group)
         return None
-    return dcp.async_save(state, checkpoint_id=str(directory))
+    return dcp.async_save(state, checkpoint_id=str(directory), process_group=group)
 
 
 def load(directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:

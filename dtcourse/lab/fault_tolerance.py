@@ -286,6 +286,7 @@ def _save_rank(directory: str, config: GPTConfig, repeats: int) -> dict[str, lis
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     idx, targets = token_batch(config, 4)
     snaps, times = Snapshots(Path(directory) / "snaps", keep=1), {}
+    saver = dist.new_group(backend="gloo")              # async_save's collectives get a group of their own
 
     def timed(name, fn, barrier=True):
         if barrier:
@@ -299,10 +300,8 @@ def _save_rank(directory: str, config: GPTConfig, repeats: int) -> dict[str, lis
         timed("dcp", lambda: sharded.save(Path(directory) / f"dcp-{i}", model, optimizer, step=i))
         future = []
         timed("dcp async, until it returns", lambda: future.append(
-            sharded.save(Path(directory) / f"async-{i}", model, optimizer, step=i, blocking=False)))
-        # No barrier here: the save's thread is still running collectives on the default group (its plan and
-        # metadata), and a barrier issued beside them on the same group can pair with the wrong one and hang.
-        timed("dcp async, until written", lambda: future[0].result(), barrier=False)
+            sharded.save(Path(directory) / f"async-{i}", model, optimizer, step=i, blocking=False, group=saver)))
+        timed("dcp async, until written", lambda: future[0].result(), barrier=False)   # the rest of the write
     times["snapshot bytes"] = [(snaps.directory / f"step-{repeats:06d}" / f"rank-{dist.get_rank()}.pt").stat().st_size]
     return times
 

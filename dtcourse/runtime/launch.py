@@ -83,7 +83,16 @@ def init_from_env(backend: str = "auto") -> tuple[int, int]:
         import torch
 
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend, init_method="env://")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # Under torchrun the agent hosts the store, and on torch 2.13 it keeps it across restarts: restarted gloo
+        # workers read the killed attempt's addresses and fail ("Connection refused"; 4 restarts in 5 measured).
+        # Each attempt, and each membership (world size), gets keys of its own.
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+        prefix = f"dtcourse/attempt-{os.environ.get(RESTART_COUNT, '0')}/world-{os.environ['WORLD_SIZE']}"
+        dist.init_process_group(backend, store=dist.PrefixStore(prefix, store), rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]))
+    else:
+        dist.init_process_group(backend, init_method="env://")
     return dist.get_rank(), dist.get_world_size()
 
 
