@@ -201,3 +201,63 @@ def _async_saves(directory):
 def test_an_async_save_needs_a_group_of_its_own_and_then_overlaps_training(tmp_path):
     for refused, step in launch(_async_saves, 2, str(tmp_path / "async"), timeout=60):
         assert "give it a process group of its own" in refused and step == 7
+
+
+ZERO3_SCRIPT = '''
+import functools, os, signal, sys
+import torch, torch.distributed as dist
+import dtcourse
+from dtcourse.fault_tolerance import Snapshots, restart_count
+from dtcourse.models import GPT, GPTConfig, lm_loss
+from dtcourse.zero import ZeRO
+
+CFG = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, d_model=16, dropout=0.1)
+
+
+def main(directory, out, kill):
+    rank, world = dtcourse.init_from_env()
+    model = ZeRO(GPT(CFG, seed=0), stage=3, optimizer=functools.partial(torch.optim.AdamW, lr=1e-2))
+    torch.manual_seed(100 + rank)
+    snaps = Snapshots(directory, keep=2)
+    resumed = snaps.restore(model)                     # ZeRO keeps its optimizer: its shard_state has both
+    first, losses = (0, []) if resumed is None else (resumed.step, resumed.extra["losses"])
+    for step in range(first, 8):
+        if kill and restart_count() == 0 and step == 5 and rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        idx = torch.randint(CFG.vocab_size, (4, CFG.block_size))
+        model.zero_grad()
+        loss = lm_loss(model(idx), idx.roll(-1, dims=1))
+        loss.backward()
+        model.step()
+        losses.append(loss.item())
+        if (step + 1) % 2 == 0:
+            snaps.save(step + 1, model, losses=list(losses))
+    params = model.full_parameters()
+    if rank == 0:
+        torch.save({"params": params, "losses": losses, "attempt": restart_count(), "first": first}, out)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], kill=True)
+    dist.destroy_process_group()
+'''
+
+
+def test_zero3_killed_under_torchrun_resumes_like_the_run_that_never_stopped(tmp_path):
+    """The same script under torchrun --max-restarts 2 (a worker SIGKILLed at step 5) and, uninterrupted, under
+    launch: equal losses and ZeRO-3 parameters, bit for bit."""
+    import importlib.util
+    from dtcourse.lab.fault_tolerance import torchrun
+    script = tmp_path / "zero3.py"
+    script.write_text(ZERO3_SCRIPT)
+    spec = importlib.util.spec_from_file_location("zero3_script", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    launch(module.main, 2, str(tmp_path / "never"), str(tmp_path / "never.pt"), False, timeout=120)
+    done = torchrun(["--standalone", "--nproc-per-node", "2", "--max-restarts", "2", script,
+                     tmp_path / "snaps", tmp_path / "resumed.pt"], timeout=120)
+    assert done.returncode == 0, done.output[-3000:]
+    never, resumed = torch.load(tmp_path / "never.pt"), torch.load(tmp_path / "resumed.pt")
+    assert resumed["attempt"] == 1 and resumed["first"] == 4
+    assert resumed["losses"] == never["losses"]
+    assert all(torch.equal(resumed["params"][n], never["params"][n]) for n in never["params"])
