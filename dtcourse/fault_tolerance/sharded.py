@@ -16,6 +16,9 @@ Example, on every rank of an FSDP2 job::
 
     save(directory, model, optimizer, step=100)          # every rank writes its shards; rank 0 the metadata
     step = load(directory, model, optimizer)             # 100, on any number of ranks
+
+A ``dtcourse.zero.ZeRO`` model (lesson 06) is saved the same way, ``save(directory, zero_model, step=100)``: its
+flats become DTensors (``_zero_state``), so what 2 ranks saved, 4 load.
 """
 
 from __future__ import annotations
@@ -33,7 +36,43 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 __all__ = ["save", "load"]
 
 
+def _zero_state(model: nn.Module, step: int) -> dict:
+    """A ``dtcourse.zero.ZeRO`` model as DCP sees an FSDP2 one: each flat (without its padding) a DTensor
+    ``Shard(0)`` over the ranks, its optimizer states the same, so any number of ranks can load it.
+
+    ZeRO's rank r owns [r s, (r+1) s) of a flat padded to N s, s = ceil(Ψ/N): the unpadded flat cut as
+    ``torch.chunk`` cuts it, which is DTensor's layout, so each part (less the padding) is the local shard.
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+    mesh = DeviceMesh.from_group(model.group or dist.group.WORLD, "cpu")
+    optimizer = model.optimizer
+    if not optimizer.state:          # no step yet: a step at lr 0 on zero gradients makes the states, changing nothing
+        lrs = [g["lr"] for g in optimizer.param_groups]
+        for g in optimizer.param_groups:
+            g["lr"] = 0.0
+            for p in g["params"]:
+                p.grad = torch.zeros_like(p)
+        optimizer.step()
+        for g, lr in zip(optimizer.param_groups, lrs):
+            g["lr"] = lr
+            for p in g["params"]:
+                p.grad = None
+    params, moments = {}, {}
+    for names, part, numel, start in model.owned_parts():
+        keep = max(0, min(part.numel(), numel - start))                  # this rank's elements, less the padding
+
+        def sharded(t: torch.Tensor) -> DTensor:
+            return DTensor.from_local(t[:keep], mesh, [Shard(0)], run_check=False, shape=(numel,), stride=(1,))
+        params[names] = sharded(part.data)
+        for key, value in optimizer.state.get(part, {}).items():
+            moments[f"{names}/{key}"] = sharded(value) if value.dim() else value   # step counts: one number
+    return {"model": params, "optimizer": moments, "step": torch.tensor(step)}
+
+
 def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None, step: int) -> dict:
+    if hasattr(model, "owned_parts"):
+        return _zero_state(model, step)
     if optimizer is None:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
         return {"model": get_model_state_dict(model), "step": torch.tensor(step)}
@@ -67,7 +106,9 @@ def load(directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim.
                                 "dtcourse.fault_tolerance.sharded.save, on every rank.")
     state = _state(model, optimizer, 0)
     dcp.load(state, checkpoint_id=str(directory))                # fills the tensors in place, resharded
-    if optimizer is None:
+    if hasattr(model, "owned_parts"):                            # ZeRO: its parts and states were the targets
+        model.refresh()
+    elif optimizer is None:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict
         set_model_state_dict(model, state["model"])
     else:

@@ -330,11 +330,23 @@ class ZeRO(nn.Module):
         with torch.no_grad():
             for flat, part in zip(self._flats(), state["parts"]):
                 (flat.master if flat.trainable else flat.shard).copy_(part)
+        self.refresh()
+        self.optimizer.load_state_dict(state["optimizer"])
+
+    def owned_parts(self) -> list[tuple[str, torch.Tensor, int, int]]:
+        """(the flat's parameter names, this rank's part of it (the fp32 master where trained), the flat's length
+        without padding, where the part starts in it): what a sharded checkpoint stores of this rank."""
+        return [(",".join(f.names), f.master if f.trainable else f.shard, f.numel, f.owned[0]) for f in self._flats()]
+
+    def refresh(self) -> None:
+        """After the parts were written from outside (a checkpoint): the compute copies from the masters, and,
+        where parameters are kept full (stages 1-2), everyone's parts again."""
+        with torch.no_grad():
+            for flat in self._flats():
                 if flat.trainable and flat.master.data_ptr() != flat.shard.data_ptr():
                     flat.shard.copy_(flat.master)          # the 16-bit part from its fp32 master
                 if 1 <= self.stage <= 2:                   # kept full: everyone's parts again (N-1)/N * nbytes
                     all_gather_single(flat.full, flat.shard.clone(), group=self.group)
-        self.optimizer.load_state_dict(state["optimizer"])
 
     def gathered_units(self) -> list[str]:
         """Names of the units whose parameters are gathered now, or being gathered."""
