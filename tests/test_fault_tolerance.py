@@ -109,6 +109,19 @@ def test_a_half_written_or_damaged_snapshot_falls_back_on_every_rank(tmp_path):
     assert launch(_damaged, 2, str(tmp_path), timeout=60) == [(4, 4.0), (4, 4.0)]
 
 
+def test_the_sampler_comes_back_where_it_was(tmp_path):
+    from torch.utils.data import DistributedSampler
+    sampler = DistributedSampler(range(40), num_replicas=2, rank=1, shuffle=True, seed=3)
+    sampler.set_epoch(5)
+    snaps = Snapshots(tmp_path / "s")
+    snaps.save(9, GPT(CFG, seed=0), sampler=sampler)
+    fresh = DistributedSampler(range(40), num_replicas=2, rank=1, shuffle=True, seed=3)
+    assert list(fresh) != list(sampler)                       # epoch 0's order
+    assert snaps.restore(GPT(CFG, seed=0), sampler=fresh).step == 9 and list(fresh) == list(sampler)
+    with pytest.raises(TypeError, match="neither state_dict\\(\\) nor an epoch"):
+        snaps.save(10, GPT(CFG, seed=0), sampler=object())
+
+
 def test_bad_snapshots_and_directories_say_what_to_change(tmp_path):
     snaps = Snapshots(tmp_path / "one")
     snaps.save(2, GPT(CFG, seed=0))
@@ -223,6 +236,8 @@ def main(directory, out, kill):
     first, losses = (0, []) if resumed is None else (resumed.step, resumed.extra["losses"])
     for step in range(first, 8):
         if kill and restart_count() == 0 and step == 5 and rank == 1:
+            if kill == "exit":
+                sys.exit(3)                                  # a worker that exits with an error
             os.kill(os.getpid(), signal.SIGKILL)
         idx = torch.randint(CFG.vocab_size, (4, CFG.block_size))
         model.zero_grad()
@@ -238,14 +253,15 @@ def main(directory, out, kill):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], kill=True)
+    main(sys.argv[1], sys.argv[2], kill=sys.argv[3])
     dist.destroy_process_group()
 '''
 
 
-def test_zero3_killed_under_torchrun_resumes_like_the_run_that_never_stopped(tmp_path):
-    """The same script under torchrun --max-restarts 2 (a worker SIGKILLed at step 5) and, uninterrupted, under
-    launch: equal losses and ZeRO-3 parameters, bit for bit."""
+@pytest.mark.parametrize("kill", ["exit", "sigkill"])
+def test_zero3_killed_under_torchrun_resumes_like_the_run_that_never_stopped(kill, tmp_path):
+    """The same script under torchrun --max-restarts 2 (a worker exits, or is SIGKILLed, at step 5) and,
+    uninterrupted, under launch: equal losses and ZeRO-3 parameters, bit for bit."""
     import importlib.util
     from dtcourse.lab.fault_tolerance import torchrun
     script = tmp_path / "zero3.py"
@@ -253,9 +269,9 @@ def test_zero3_killed_under_torchrun_resumes_like_the_run_that_never_stopped(tmp
     spec = importlib.util.spec_from_file_location("zero3_script", script)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    launch(module.main, 2, str(tmp_path / "never"), str(tmp_path / "never.pt"), False, timeout=120)
+    launch(module.main, 2, str(tmp_path / "never"), str(tmp_path / "never.pt"), "", timeout=120)
     done = torchrun(["--standalone", "--nproc-per-node", "2", "--max-restarts", "2", script,
-                     tmp_path / "snaps", tmp_path / "resumed.pt"], timeout=120)
+                     tmp_path / "snaps", tmp_path / "resumed.pt", kill], timeout=120)
     assert done.returncode == 0, done.output[-3000:]
     never, resumed = torch.load(tmp_path / "never.pt"), torch.load(tmp_path / "resumed.pt")
     assert resumed["attempt"] == 1 and resumed["first"] == 4

@@ -8,8 +8,8 @@ script saved and loads itself (PyTorch's torchrun documentation asks the same of
 * every random-number generator that the run draws from: Python's ``random``, NumPy's, torch's CPU
   generator and, where CUDA is in use, each GPU's. Dropout masks, data shuffles and augmentation depend
   on them; without them the resumed run draws different numbers and drifts away from the original;
-* where the data stands: the step, and anything else the caller passes (the sampler's epoch and the
-  position within it).
+* where the data stands: the step, the sampler (its ``state_dict``, or a ``DistributedSampler``'s epoch),
+  and anything else the caller passes (the position within the epoch, when it does not follow from the step).
 
 Each rank writes its own file, ``<directory>/step-000012/rank-1.pt``, to a temporary name and renames it
 (``os.replace`` is atomic on POSIX), so a crash while saving leaves a stray temporary file, never a
@@ -97,6 +97,22 @@ def _model_state(model: nn.Module) -> Any:
     return model.shard_state() if hasattr(model, "shard_state") else model.state_dict()
 
 
+def _sampler_state(sampler: Any) -> dict[str, Any]:
+    if hasattr(sampler, "state_dict"):
+        return {"state_dict": sampler.state_dict()}
+    if hasattr(sampler, "epoch"):
+        return {"epoch": sampler.epoch}
+    raise TypeError(f"Snapshots: a {type(sampler).__name__} has neither state_dict() nor an epoch; save where it "
+                    "stands yourself, as an extra (save(step, model, optimizer, position=...)).")
+
+
+def _load_sampler_state(sampler: Any, state: dict[str, Any]) -> None:
+    if "state_dict" in state:
+        sampler.load_state_dict(state["state_dict"])
+    else:
+        sampler.set_epoch(state["epoch"])
+
+
 def _load_model_state(model: nn.Module, state: Any) -> None:
     if hasattr(model, "load_shard_state"):
         model.load_shard_state(state)
@@ -152,12 +168,17 @@ class Snapshots:
     # ------------------------------------------------------------------ save
     @reference("fault_tolerance", "12")   # exercise 12 writes save_snapshot: refused while its checks run
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-             **extra: Any) -> Path:
-        """Write this rank's snapshot of ``step`` (the step to resume from), then mark it complete."""
+             sampler: Any = None, **extra: Any) -> Path:
+        """Write this rank's snapshot of ``step`` (the step to resume from), then mark it complete.
+
+        ``sampler``: its ``state_dict()`` if it has one, else its ``epoch`` (a ``DistributedSampler``, whose order
+        depends on the seed and the epoch alone); ``extra``: anything else to get back (a position, a log).
+        """
         folder = self.directory / f"step-{step:06d}"
         folder.mkdir(exist_ok=True)
         state = {"step": step, "model": _model_state(model), "rng": rng_state(), "extra": extra,
-                 "optimizer": None if optimizer is None else optimizer.state_dict()}
+                 "optimizer": None if optimizer is None else optimizer.state_dict(),
+                 "sampler": None if sampler is None else _sampler_state(sampler)}
         buffer = io.BytesIO()
         torch.save(state, buffer)
         data = buffer.getvalue()
@@ -172,7 +193,8 @@ class Snapshots:
 
     # ------------------------------------------------------------------ restore
     @reference("fault_tolerance", "12")   # exercise 12 writes load_snapshot: refused while its checks run
-    def restore(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Resumed | None:
+    def restore(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                sampler: Any = None) -> Resumed | None:
         """Load the newest complete snapshot that every rank can read; None if there is none.
 
         A snapshot whose file fails its checksum (cut short, overwritten) is skipped, with a warning, for the
@@ -190,6 +212,8 @@ class Snapshots:
             if optimizer is not None and state["optimizer"] is not None:
                 optimizer.load_state_dict(state["optimizer"])
             set_rng_state(state["rng"])
+            if sampler is not None and state.get("sampler") is not None:
+                _load_sampler_state(sampler, state["sampler"])
             return Resumed(state["step"], folder, state["extra"])
         return None
 
