@@ -134,9 +134,21 @@ def test_nbgrader_generates_every_exercise_from_the_course_config(tmp_path):
     written = course.write_course(tmp_path / "grading")
     # No --ClearSolutions.code_stub: the stubs come from nbgrader_config.py alone.
     nbgrader(written, "generate_assignment", "*")
-    for name in NAMES:
-        released = written / "release" / name / f"{name}.ipynb"
-        assert released.read_bytes() == exercise_path(name).read_bytes(), f"{released} differs from exercises/"
+    from nbgrader.api import Gradebook
+    from dtcourse.grading.exercises import generate, loads
+    from exercise_harness import source_path
+    with Gradebook(f"sqlite:///{written / 'gradebook.db'}") as gradebook:
+        for name in NAMES:
+            released = written / "release" / name / f"{name}.ipynb"
+            assert released.read_bytes() == exercise_path(name).read_bytes(), f"{released} differs from exercises/"
+            # what nbgrader keeps of each graded cell is what dtcourse.grade restores test cells from
+            kept = {c.name: c for c in gradebook.find_notebook(name, name).source_cells}
+            stored = generate(loads(source_path(name).read_text(encoding="utf-8")), name, keep_hidden_tests=True)
+            for cell in stored["cells"]:
+                grade_id = cell["metadata"].get("nbgrader", {}).get("grade_id")
+                if grade_id:
+                    assert kept[grade_id].source == cell["source"], (name, grade_id)
+                    assert kept[grade_id].checksum == cell["metadata"]["nbgrader"]["checksum"], (name, grade_id)
 
 
 def test_generate_autograde_feedback_export_in_the_course(tmp_path):
