@@ -328,6 +328,32 @@ def test_the_same_function_runs_under_launch_and_torchrun(tmp_path):
         sys.path.remove(str(tmp_path))
 
 
+def test_under_torchrun_destroying_the_group_ends_its_threads_after_an_optimizer_step(tmp_path):
+    """An optimizer step imports torch._dynamo; on torch 2.13, done after a gloo group exists, that import keeps the
+    group's worker threads alive past destroy_process_group(), and they abort the process as Python exits (exit -6,
+    about one run in two for a ZeRO script). init_from_env imports it first: no gloo thread outlives the group."""
+    script = tmp_path / "ends.py"
+    script.write_text(textwrap.dedent("""
+        import os, torch, torch.distributed as dist
+        import dtcourse
+
+        rank, world = dtcourse.init_from_env()
+        model = torch.nn.Linear(4, 4)
+        model(torch.randn(2, 4)).sum().backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+        torch.optim.AdamW(model.parameters()).step()
+        dist.destroy_process_group()
+        names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+        print(f"gloo threads left: {sum(n.startswith(('pt_gloo', 'gloo')) for n in names)};", flush=True)
+    """))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script)],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.count("gloo threads left: 0;") == 2, run.stdout
+
+
 def test_results_keep_every_tensor_exactly_through_the_out_of_band_encoding():
     """Tensors travel as raw bytes beside the pickle: every dtype, shape, view and flag must survive."""
     base = torch.arange(24, dtype=torch.float64).reshape(4, 6)

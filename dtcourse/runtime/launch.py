@@ -77,6 +77,12 @@ def init_from_env(backend: str = "auto") -> tuple[int, int]:
             f"init_from_env: environment variables {missing} are not set. Start the script with "
             "`torchrun --nproc-per-node N script.py`, or call dtcourse.launch(fn, N) from Python."
         )
+    # Imported before the group exists, not by the first optimizer step after it: on torch 2.13, importing
+    # torch._dynamo once a gloo group exists keeps that group alive past destroy_process_group(), and its worker
+    # threads, freeing a finished collective's tensors while Python shuts down, abort the process ("terminate
+    # called without an active exception", exit -6; 6 runs in 16 of a ZeRO script under torchrun, measured).
+    import torch._dynamo  # noqa: F401
+
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
     backend = choose_backend(local_world, backend)     # one GPU per rank of this node
     if backend == "nccl":
