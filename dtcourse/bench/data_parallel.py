@@ -32,7 +32,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from dtcourse.bench import paired_ratio, step_times
+from dtcourse.bench import (find, finish, paired_ratio, ratio_cell, step_times, text_table, times_cell,
+                            world_panels)
 from dtcourse.data_parallel import DistributedDataParallel
 from dtcourse.runtime.launch import launch
 from dtcourse.models import GPT, GPTConfig, lm_loss, token_batch
@@ -94,7 +95,7 @@ def measure(world_size: int, variants: list[Variant], config: GPTConfig = DDP_GP
 
 
 def _find(rows: list[dict], n: int, strategy: str, cap: float) -> dict | None:
-    return next((r for r in rows if (r["world_size"], r["strategy"], r["cap"]) == (n, strategy, cap)), None)
+    return find(rows, world_size=n, strategy=strategy, cap=cap)
 
 
 def _ratios(row: dict, rows: list[dict], reference: str = TORCH) -> tuple[float, float]:
@@ -108,42 +109,38 @@ def strategy_table(rows: list[dict], cap: float) -> str:
     """Every strategy at one bucket cap (per_parameter ignores the cap), per world size."""
     head = (f"{'N':>2}  {'variant':<14}{'buckets':>8}{'median ms':>11}{'IQR ms':>16}{'vs torch':>10}"
             f"{'paired':>8}")
-    lines = [head, "-" * len(head)]
+    lines = []
     for n in sorted({r["world_size"] for r in rows}):
         for r in filter(None, (_find(rows, n, strategy, cap) for strategy in STRATEGY_ORDER)):
             ratio, paired = _ratios(r, rows)
-            lines.append(f"{n:>2}  {r['strategy']:<14}{r['buckets']:>8}{r['median_ms']:>11.1f}"
-                         f"{r['q1_ms']:>8.1f} - {r['q3_ms']:<5.1f}{ratio:>9.2f}x{paired:>7.2f}x")
+            lines.append(f"{n:>2}  {r['strategy']:<14}{r['buckets']:>8}{times_cell(r, 11)}"
+                         f"{ratio_cell(ratio, 10)}{ratio_cell(paired, 8)}")
         ours = _find(rows, n, "overlapped", cap)
         if ours and _find(rows, n, TORCH_NOSYNC, cap):
             lines.append("    overlapped vs torch_nosync (like for like): %.2fx, paired %.2fx"
                          % _ratios(ours, rows, TORCH_NOSYNC))
-    return "\n".join(lines)
+    return text_table(head, lines)
 
 
 def sweep_table(rows: list[dict]) -> str:
     """Overlapped against torch at every bucket cap."""
     head = (f"{'N':>2} {'cap MiB':>8} {'ours buckets':>13} {'overlapped ms':>14} {'torch buckets':>14} "
             f"{'torch ms':>9} {'ratio':>7} {'paired':>7}")
-    lines = [head, "-" * len(head)]
+    lines = []
     for n in sorted({r["world_size"] for r in rows}):
         for cap in sorted({r["cap"] for r in rows if r["world_size"] == n and r["strategy"] == "overlapped"}):
             ours, ref = _find(rows, n, "overlapped", cap), _find(rows, n, TORCH, cap)
             ratio, paired = _ratios(ours, rows)
             lines.append(f"{n:>2} {cap:>8g} {ours['buckets']:>13} {ours['median_ms']:>14.1f} "
-                         f"{ref['buckets']:>14} {ref['median_ms']:>9.1f} {ratio:>6.2f}x {paired:>6.2f}x")
-    return "\n".join(lines)
+                         f"{ref['buckets']:>14} {ref['median_ms']:>9.1f} {ratio_cell(ratio, 7)} "
+                         f"{ratio_cell(paired, 7)}")
+    return text_table(head, lines)
 
 
 def plot(rows: list[dict], title: str = ""):
     """Median step time against bucket cap, overlapped and torch, one panel per world size."""
-    import matplotlib.pyplot as plt
-    from dtcourse.lab.widgets import COLUMN_IN
-
-    worlds = sorted({r["world_size"] for r in rows})
-    # the notebook column's width at most, however many panels
-    fig, axes = plt.subplots(1, len(worlds), figsize=(min(COLUMN_IN, 3.8 * len(worlds)), 3.4), squeeze=False)
-    for ax, n in zip(axes[0], worlds):
+    fig, axes, panels = world_panels(rows, 3.8, 3.4)
+    for ax, (n, _) in zip(axes[0], panels):
         for strategy, label in (("overlapped", "overlapped (dtcourse)"), (TORCH, "torch DDP")):
             mine = sorted((r for r in rows if (r["world_size"], r["strategy"]) == (n, strategy)),
                           key=lambda r: r["cap"])
@@ -162,12 +159,8 @@ def plot(rows: list[dict], title: str = ""):
         slow = others.get("per_parameter")
         note = f"; per_parameter {slow['median_ms']:.0f} ms" if slow else ""
         ax.set_title(f"N = {n}: median step (band: IQR){note}", fontsize=9)
-    axes[0][0].set_ylabel("step time (ms)")
     axes[0][-1].legend(fontsize=8)
-    if title:
-        fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    return fig
+    return finish(fig, title)
 
 
 def main(argv: list[str] | None = None) -> None:

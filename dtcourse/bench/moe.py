@@ -34,7 +34,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from dtcourse.bench import paired_ratio, step_times
+from dtcourse.bench import bars, finish, paired, ratio_cell, step_times, text_table, times_cell, world_panels
 from dtcourse.models import GPT, GPTConfig, lm_loss, token_batch
 from dtcourse.models.moe import capacity
 from dtcourse.moe import AllToAllLog, ExpertParallel
@@ -126,47 +126,30 @@ def measure(world_size: int, variants: list[str] = list(VARIANTS), config: GPTCo
     return rows
 
 
-def paired(row: dict, rows: list[dict], reference: str) -> float | None:
-    ref = next((r for r in rows if (r["world_size"], r["variant"]) == (row["world_size"], reference)), None)
-    return None if ref is None else paired_ratio(row["times"], ref["times"])
-
-
 REFERENCE = {"EP padded": "all experts padded", "EP dropless": "all experts dropless"}
 
 
 def table(rows: list[dict]) -> str:
     head = (f"{'N':>2}  {'variant':<22}{'experts':>8}{'median ms':>10}{'IQR ms':>16}{'vs all':>8}{'vs padded':>10}"
             f"{'a2a KiB':>9}{'formula':>9}{'all-reduce KiB':>15}")
-    lines = [head, "-" * len(head)]
+    lines = []
     for r in rows:
         vs_all = paired(r, rows, REFERENCE[r["variant"]]) if r["variant"] in REFERENCE else None
         vs_padded = paired(r, rows, "EP padded") if r["variant"] == "EP dropless" else None
-        cells = "".join(f"{x:>{w - 1}.2f}x" if x is not None else " " * w for x, w in ((vs_all, 8), (vs_padded, 10)))
         a2a = "".join(f"{x / 1024:>9.1f}" if x is not None else f"{'-':>9}" for x in (r["a2a_sent"], r["a2a_formula"]))
-        lines.append(f"{r['world_size']:>2}  {r['variant']:<22}{r['experts_per_rank']:>8}{r['median_ms']:>10.1f}"
-                     f"{r['q1_ms']:>8.1f} - {r['q3_ms']:<5.1f}{cells}{a2a}{r['all_reduce'] / 1024:>15.1f}")
-    return "\n".join(lines)
+        lines.append(f"{r['world_size']:>2}  {r['variant']:<22}{r['experts_per_rank']:>8}{times_cell(r)}"
+                     f"{ratio_cell(vs_all, 8)}{ratio_cell(vs_padded, 10)}{a2a}{r['all_reduce'] / 1024:>15.1f}")
+    return text_table(head, lines)
 
 
 def plot(rows: list[dict], title: str = ""):
     """Median step time per variant (bars, IQR as error bars), one panel per world size."""
-    import matplotlib.pyplot as plt
-    from dtcourse.lab.widgets import COLUMN_IN
-
-    worlds = sorted({r["world_size"] for r in rows})
-    fig, axes = plt.subplots(1, len(worlds), figsize=(min(COLUMN_IN, 3.6 * len(worlds)), 3.2), squeeze=False)
-    for ax, n in zip(axes[0], worlds):
-        mine = [r for r in rows if r["world_size"] == n]
-        errors = [[r["median_ms"] - r["q1_ms"] for r in mine], [r["q3_ms"] - r["median_ms"] for r in mine]]
-        ax.bar(range(len(mine)), [r["median_ms"] for r in mine], yerr=errors, capsize=2,
-               color=["tab:blue" if r["variant"].startswith("EP") else "tab:gray" for r in mine])
-        ax.set_xticks(range(len(mine)), [r["variant"] for r in mine], rotation=40, ha="right", fontsize=7)
+    fig, axes, panels = world_panels(rows, 3.6, 3.2)
+    for ax, (n, mine) in zip(axes[0], panels):
+        colors = ["tab:blue" if r["variant"].startswith("EP") else "tab:gray" for r in mine]
+        bars(ax, [r["variant"] for r in mine], [(None, mine, colors)], rotation=40, ha="right", fontsize=7)
         ax.set_title(f"N = {n}: median step (bars: IQR)", fontsize=9)
-    axes[0][0].set_ylabel("step time (ms)")
-    if title:
-        fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    return fig
+    return finish(fig, title)
 
 
 def main(argv: list[str] | None = None) -> None:

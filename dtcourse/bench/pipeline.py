@@ -43,7 +43,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from dtcourse.bench import paired_ratio, step_times
+from dtcourse.bench import bars, finish, paired_ratio, ratio_cell, step_times, text_table, world_panels
 from dtcourse.models import GPT, GPTConfig, lm_loss, token_batch
 from dtcourse.pipeline import schedules
 from dtcourse.pipeline.execute import PipelineExecutor, run_schedule
@@ -197,47 +197,33 @@ def measure(world_size: int, names: list[str] = list(SCHEDULE_NAMES), config: GP
 def table(rows: list[dict]) -> str:
     head = (f"{'p':>2}  {'schedule':<22}{'torch schedule':<31}{'dtcourse ms':>12}{'torch ms':>9}{'vs torch':>9}"
             f"{'bubble':>7}{'formula':>8}{'sim':>6}{'wait':>6}{'post':>6}  {'F/B/I/W ms':<20} per rank")
-    lines = [head, "-" * len(head)]
+    lines = []
     for r in rows:
         name = r["schedule"] + (f" v={r['chunks']}" if r["chunks"] > 1 else "")
         per_rank = " ".join(f"{b:.2f}" for b in r["bubble_per_rank"])
         times = "/".join(f"{r['mean_ms'][k]:.1f}" if k in r["mean_ms"] else "-" for k in "FBIW")
         sim = f"{r['simulated']:>6.3f}" if "simulated" in r else f"{'-':>6}"
         lines.append(f"{r['world_size']:>2}  {name:<22}{r['torch_class']:<31}{r['dtcourse']['median_ms']:>12.1f}"
-                     f"{r['torch']['median_ms']:>9.1f}{r['ratio']:>8.2f}x{r['bubble']:>7.3f}{r['formula']:>8.3f}"
-                     f"{sim}{r['wait']:>6.3f}{r['post']:>6.3f}  {times:<20} {per_rank}")
-    return "\n".join(lines)
+                     f"{r['torch']['median_ms']:>9.1f}{ratio_cell(r['ratio'], 9)}{r['bubble']:>7.3f}"
+                     f"{r['formula']:>8.3f}{sim}{r['wait']:>6.3f}{r['post']:>6.3f}  {times:<20} {per_rank}")
+    return text_table(head, lines)
 
 
 def plot(rows: list[dict], title: str = ""):
     """Per world size: median step time of each engine per schedule (IQR as error bars); bubble vs formula."""
-    import matplotlib.pyplot as plt
-    from dtcourse.lab.widgets import COLUMN_IN
-
-    worlds = sorted({r["world_size"] for r in rows})
-    fig, axes = plt.subplots(2, len(worlds), figsize=(min(COLUMN_IN, 4.2 * len(worlds)), 6.0), squeeze=False)
-    for col, p in enumerate(worlds):
-        mine = [r for r in rows if r["world_size"] == p]
-        xs = range(len(mine))
-        for k, (engine, color) in enumerate((("dtcourse", "tab:blue"), ("torch", "tab:gray"))):
-            med = [r[engine]["median_ms"] for r in mine]
-            err = [[r[engine]["median_ms"] - r[engine]["q1_ms"] for r in mine],
-                   [r[engine]["q3_ms"] - r[engine]["median_ms"] for r in mine]]
-            axes[0][col].bar([x + 0.4 * k - 0.2 for x in xs], med, 0.4, yerr=err, color=color, capsize=2, label=engine)
-        axes[1][col].bar([x - 0.2 for x in xs], [r["bubble"] for r in mine], 0.4, color="tab:blue", label="measured")
-        axes[1][col].bar([x + 0.2 for x in xs], [r["formula"] for r in mine], 0.4, color="tab:orange", label="formula")
-        for ax in axes[:, col]:
-            ax.set_xticks(list(xs), [r["schedule"] for r in mine], rotation=30, ha="right", fontsize=7)
+    fig, axes, panels = world_panels(rows, 4.2, 6.0, nrows=2)
+    for col, (p, mine) in enumerate(panels):
+        names, ticks = [r["schedule"] for r in mine], {"rotation": 30, "ha": "right", "fontsize": 7}
+        bars(axes[0][col], names, [(engine, [r[engine] for r in mine], color) for engine, color
+                                   in (("dtcourse", "tab:blue"), ("torch", "tab:gray"))], **ticks)
+        bars(axes[1][col], names, [("measured", [r["bubble"] for r in mine], "tab:blue"),
+                                   ("formula", [r["formula"] for r in mine], "tab:orange")], **ticks)
         axes[0][col].set_title(f"p = {p}: median step (bars: IQR)", fontsize=9)
         axes[1][col].set_title(f"p = {p}: bubble (idle share)", fontsize=9)
-    axes[0][0].set_ylabel("step time (ms)")
     axes[1][0].set_ylabel("idle fraction")
     axes[0][0].legend(fontsize=7)
     axes[1][0].legend(fontsize=7)
-    if title:
-        fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    return fig
+    return finish(fig, title)
 
 
 def main(argv: list[str] | None = None) -> None:

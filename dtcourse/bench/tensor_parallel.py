@@ -41,7 +41,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from dtcourse.bench import paired_ratio, step_times
+from dtcourse.bench import (bars, finish, paired_ratio, ratio_cell, step_times, text_table, times_cell,
+                            world_panels)
 from dtcourse.models import GPT, GPTConfig, lm_loss, token_batch
 from dtcourse.runtime.device import device
 from dtcourse.runtime.launch import launch
@@ -141,40 +142,26 @@ def measure(world_size: int, config: GPTConfig = TP_GPT, batch_size: int = 8, se
 def table(rows: list[dict]) -> str:
     head = (f"{'t':>2}  {'layout':<7}{'dtcourse ms':>12}{'IQR':>14}{'DTensor ms':>12}{'IQR':>14}"
             f"{'vs DTensor':>12}{'IQR':>14}{'sent KiB':>10}")
-    lines = [head, "-" * len(head)]
+    lines = []
     for r in rows:
-        cells = "".join(f"{r[e]['median_ms']:>12.1f}{r[e]['q1_ms']:>7.1f} - {r[e]['q3_ms']:<5.1f}" for e in ENGINES)
-        lines.append(f"{r['world_size']:>2}  {r['layout']:<7}{cells}{r['ratio']:>11.2f}x"
+        cells = "".join(times_cell(r[e], 12, 7) for e in ENGINES)
+        lines.append(f"{r['world_size']:>2}  {r['layout']:<7}{cells}{ratio_cell(r['ratio'], 12)}"
                      f"{r['ratio_q1']:>7.2f} - {r['ratio_q3']:<5.2f}{r['sent'] / 1024:>10.0f}")
-    return "\n".join(lines)
+    return text_table(head, lines)
 
 
 def plot(rows: list[dict], title: str = ""):
     """Per world size: median step time of each engine per layout (IQR as error bars)."""
-    import matplotlib.pyplot as plt
-    from dtcourse.lab.widgets import COLUMN_IN
-
-    worlds = sorted({r["world_size"] for r in rows})
-    fig, axes = plt.subplots(1, len(worlds), figsize=(min(COLUMN_IN, 3.6 * len(worlds)), 3.4), squeeze=False)
-    for ax, t in zip(axes[0], worlds):
-        mine = [r for r in rows if r["world_size"] == t]
-        xs = range(len(mine))
-        for k, (engine, color) in enumerate((("dtcourse", "tab:blue"), ("DTensor", "tab:gray"))):
-            med = [r[engine]["median_ms"] for r in mine]
-            err = [[r[engine]["median_ms"] - r[engine]["q1_ms"] for r in mine],
-                   [r[engine]["q3_ms"] - r[engine]["median_ms"] for r in mine]]
-            ax.bar([x + 0.4 * k - 0.2 for x in xs], med, 0.4, yerr=err, color=color, capsize=2, label=engine)
-        for x, r in zip(xs, mine):
+    fig, axes, panels = world_panels(rows, 3.6, 3.4)
+    for ax, (t, mine) in zip(axes[0], panels):
+        bars(ax, [r["layout"] for r in mine], [(engine, [r[engine] for r in mine], color) for engine, color
+                                               in (("dtcourse", "tab:blue"), ("DTensor", "tab:gray"))], fontsize=8)
+        for x, r in enumerate(mine):
             ax.annotate(f"{r['ratio']:.2f}x", (x, max(r[e]["q3_ms"] for e in ENGINES)), ha="center",
                         va="bottom", fontsize=7)
-        ax.set_xticks(list(xs), [r["layout"] for r in mine], fontsize=8)
         ax.set_title(f"t = {t}: median step (bars: IQR)", fontsize=9)
-    axes[0][0].set_ylabel("step time (ms)")
     axes[0][0].legend(fontsize=7)
-    if title:
-        fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    return fig
+    return finish(fig, title)
 
 
 def main(argv: list[str] | None = None) -> None:

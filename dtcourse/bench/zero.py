@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from dtcourse.bench import paired_ratio, step_times
+from dtcourse.bench import bars, find, finish, paired, ratio_cell, step_times, text_table, times_cell, world_panels
 from dtcourse.models import DDP_GPT, GPT, GPTConfig, lm_loss, token_batch
 from dtcourse.runtime.launch import launch
 
@@ -161,50 +161,28 @@ def measure(world_size: int, variants: list[str] = list(VARIANTS), config: GPTCo
     return rows
 
 
-def paired(row: dict, rows: list[dict], reference: str) -> float | None:
-    """The median of the round-by-round ratios of ``row`` to ``reference`` at the same world size."""
-    ref = next((r for r in rows if (r["world_size"], r["variant"]) == (row["world_size"], reference)), None)
-    if ref is None:
-        return None
-    return paired_ratio(row["times"], ref["times"])
-
-
 def table(rows: list[dict]) -> str:
     head = (f"{'N':>2}  {'variant':<20}{'median ms':>10}{'IQR ms':>16}{'vs FSDP2':>10}{'vs DDP':>8}"
             f"{'sent KiB':>10}{'formula':>9} {'colls':>6}")
-    lines = [head, "-" * len(head)]
+    lines = []
     for r in rows:
-        ratio_text = "".join(f"{x:>{w - 1}.2f}x" if x is not None else " " * w
-                             for x, w in ((paired(r, rows, FSDP2), 10), (paired(r, rows, TORCH_DDP), 8)))
+        ratio_text = ratio_cell(paired(r, rows, FSDP2), 10) + ratio_cell(paired(r, rows, TORCH_DDP), 8)
         sent = f"{r['sent'] / 1024:>10.0f}" if r["sent"] is not None else f"{'-':>10}"
         mark = "*" if r["variant"] in KEEPS_ROOT else " "
         count = f"{r['collectives']:>6}" if r["collectives"] is not None else f"{'-':>6}"
-        lines.append(f"{r['world_size']:>2}  {r['variant']:<20}{r['median_ms']:>10.1f}"
-                     f"{r['q1_ms']:>8.1f} - {r['q3_ms']:<5.1f}{ratio_text}"
+        lines.append(f"{r['world_size']:>2}  {r['variant']:<20}{times_cell(r)}{ratio_text}"
                      f"{sent}{r['formula'] / 1024:>9.0f}{mark}{count}")
-    return "\n".join(lines)
+    return text_table(head, lines)
 
 
 def plot(rows: list[dict], title: str = ""):
     """Median step time per variant (bars, IQR as error bars), one group per world size."""
-    import matplotlib.pyplot as plt
-    from dtcourse.lab.widgets import COLUMN_IN
-
-    worlds = sorted({r["world_size"] for r in rows})
-    fig, axes = plt.subplots(1, len(worlds), figsize=(min(COLUMN_IN, 4.2 * len(worlds)), 3.6), squeeze=False)
-    for ax, n in zip(axes[0], worlds):
-        mine = [r for r in rows if r["world_size"] == n]
-        medians = [r["median_ms"] for r in mine]
-        errors = [[r["median_ms"] - r["q1_ms"] for r in mine], [r["q3_ms"] - r["median_ms"] for r in mine]]
+    fig, axes, panels = world_panels(rows, 4.2, 3.6)
+    for ax, (n, mine) in zip(axes[0], panels):
         colors = ["tab:gray" if r["variant"] in (FSDP2, FSDP2_FUSED, TORCH_DDP) else "tab:blue" for r in mine]
-        ax.bar(range(len(mine)), medians, yerr=errors, color=colors, capsize=2)
-        ax.set_xticks(range(len(mine)), [r["variant"] for r in mine], rotation=60, ha="right", fontsize=7)
+        bars(ax, [r["variant"] for r in mine], [(None, mine, colors)], rotation=60, ha="right", fontsize=7)
         ax.set_title(f"N = {n}: median step (bars: IQR)", fontsize=9)
-    axes[0][0].set_ylabel("step time (ms)")
-    if title:
-        fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    return fig
+    return finish(fig, title)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -238,7 +216,7 @@ def main(argv: list[str] | None = None) -> None:
           "gathered); colls: collectives per step\n")
     print(table(rows))
     for n in args.world_sizes:
-        ours = next((r for r in rows if (r["world_size"], r["variant"]) == (n, "ZeRO-3")), None)
+        ours = find(rows, world_size=n, variant="ZeRO-3")
         ratios = [(ref, paired(ours, rows, ref) if ours else None) for ref in (FSDP2, FSDP2_FUSED)]
         if ratios[0][1] is not None:
             print(f"\nN = {n}: ZeRO-3 (prefetch) / FSDP2 = {ratios[0][1]:.2f}x paired (target <= 1.2x)"
