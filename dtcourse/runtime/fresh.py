@@ -13,7 +13,8 @@ Then each rank is still forked (so the pipes, the process group and the clean-up
 ``processes.py``) but at once replaces itself with a new Python (``execv``) that rebuilds ``fn``,
 ``args`` and ``kwargs`` from a file that cloudpickle wrote: functions of ``__main__`` (a notebook)
 travel by value, others by reference. Starting costs an import of torch per rank (about 2 s on a GPU
-node) instead of 0.05 s. ``DTCOURSE_FRESH_RANKS=1`` asks for this path everywhere (the tests use it).
+node, and more on a loaded one) instead of 0.05 s; ``launch``'s timeout starts once every rank has
+rebuilt ``fn``, so that start-up does not count against it. ``DTCOURSE_FRESH_RANKS=1`` asks for this path everywhere (the tests use it).
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ def exec_rank(payload: str, rank: int, world_size: int, backend: str, store_path
 
 def _main(f, spec: str) -> None:
     """The new Python's rank: rebuild fn, then run it exactly as a forked rank would."""
-    from dtcourse.runtime.processes import _child, _send
+    from dtcourse.runtime.processes import READY, _child, _send
     from dtcourse.runtime.results import encode
 
     rank, world_size, backend, store_path, timeout, threads, fds = json.loads(spec)
@@ -108,4 +109,5 @@ def _main(f, spec: str) -> None:
                                        + traceback.format_exc())))
         os._exit(0)
     f.close()
+    os.write(fds[3], READY)             # launch's timeout counts from here: the start-up was not fn's time
     _child(fn, args, kwargs, rank, world_size, backend, store_path, timeout, threads, fds)

@@ -39,6 +39,8 @@ __all__ = ["LaunchError", "RankError", "LaunchTimeout", "run_ranks"]
 
 READ_CHUNK = 1 << 20            # bytes per os.read: a 256 MB result arrives in 256 reads
 SETUP_FAILED = 70               # a child's exit code when it failed before running fn
+READY = b"\x06"                 # a fresh rank's first byte on its stack pipe: it has rebuilt fn and starts it
+START_LIMIT = 300.0             # seconds fresh interpreters may take to import torch and rebuild fn
 
 
 # --------------------------------------------------------------------------- #
@@ -144,6 +146,7 @@ class _Rank:
     stack: bytearray = field(default_factory=bytearray)
     message: tuple | None = None
     reaped: bool = False
+    ready: bool = True                        # a fresh rank is not until its READY byte arrives
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple, kwargs: dict, *, backend: str,
@@ -171,7 +174,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple, kwargs: dict
             for _, write_end in pipes:
                 os.close(write_end)
             info = _Rank(rank, pid, {pipes[0][0]: "out", pipes[1][0]: "err", pipes[2][0]: "res",
-                                     pipes[3][0]: "stack"})
+                                     pipes[3][0]: "stack"}, ready=payload is None)
             ranks.append(info)
             for fd, kind in info.fds.items():
                 sel.register(fd, selectors.EVENT_READ, (info, kind))
@@ -213,10 +216,20 @@ def _emit(rank: int, stream: str, text: str) -> None:
 
 
 def _collect(ranks: list[_Rank], sel: selectors.BaseSelector, timeout: float) -> list[Any]:
-    deadline = time.monotonic() + timeout
+    """Read every rank's output and result. ``timeout`` counts from the moment every rank is running fn: a
+    fresh interpreter's start (importing torch, about 2 s, far more on a loaded machine) is not fn's time."""
+    started = time.monotonic()
+    deadline = started + timeout if all(r.ready for r in ranks) else None
     running = set(range(len(ranks)))
     while running:
-        remaining = deadline - time.monotonic()
+        if deadline is None and all(r.ready or r.rank not in running for r in ranks):
+            deadline = time.monotonic() + timeout
+        if deadline is None and time.monotonic() - started > START_LIMIT:
+            late = [r.rank for r in ranks if not r.ready]
+            raise LaunchError(f"launch: rank(s) {late} had not started fn {START_LIMIT:g} s after launch (each "
+                              "starts in a new Python, which imports torch and rebuilds fn). Is the machine "
+                              "out of memory, or does importing fn's module hang?")
+        remaining = (deadline if deadline is not None else started + START_LIMIT) - time.monotonic()
         if remaining <= 0:
             stuck = sorted(running)
             raise LaunchTimeout(timeout, stuck, _stacks([ranks[r] for r in stuck], sel))
@@ -259,6 +272,8 @@ def _read(key: selectors.SelectorKey, sel: selectors.BaseSelector) -> bool:
             message[:8] = info.result
             info.result = message
     elif kind == "stack":
+        if not info.ready and chunk[:1] == READY:
+            info.ready, chunk = True, chunk[1:]
         info.stack += chunk
     else:
         *lines, info.partial[kind] = (info.partial[kind] + chunk).split(b"\n")
