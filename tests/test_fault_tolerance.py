@@ -165,11 +165,16 @@ def _fsdp_run(directory, first, last, save_at=None, load=False):
     from torch.distributed.fsdp import fully_shard
     from dtcourse.fault_tolerance import sharded
     from dtcourse.models import token_batch
+    from torch.distributed.device_mesh import DeviceMesh
+    from dtcourse.runtime.device import device as runtime_device
     rank, world = dist.get_rank(), dist.get_world_size()
+    # The ranks' own device, not fully_shard's default mesh: that one is CUDA wherever a GPU is in view, and
+    # on a one-GPU machine rank 1 then asks for GPU 1 (found on the H100 run).
+    mesh = DeviceMesh.from_group(dist.group.WORLD, runtime_device().type)
     model = GPT(DENSE, seed=0)
     for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     if load:
         first = sharded.load(directory, model, optimizer)

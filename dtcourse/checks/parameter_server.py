@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import os
+import tempfile
 import time
 from typing import Callable, Sequence
 
@@ -73,12 +74,17 @@ def _refuse_the_course_server(cls: Callable) -> None:
             "exercise's checks run: subclass ServerBase, as the exercise's cell does, and write serve() yourself.")
 
 
-def _watched(cls: Callable) -> type:
-    """What ``train`` builds on each server rank: ``cls``, built and served inside ``watching``."""
+def _watched(cls: Callable, started: str | None = None) -> type:
+    """What ``train`` builds on each server rank: ``cls``, built and served inside ``watching``. With
+    ``started`` (a folder), each server first writes there the wall-clock time it began, so that a check can
+    time the server, not the ranks' start-up (seconds where each rank is a new Python, as on a GPU machine)."""
     _refuse_the_course_server(cls)
 
     class Watched:
         def __init__(self, config: PSConfig, problem: Problem, group=None):
+            if started is not None:
+                with open(os.path.join(started, f"{os.getpid()}"), "w") as f:
+                    f.write(repr(time.time()))
             with watching(_TOPICS):
                 self.server = cls(config, problem, group)
 
@@ -321,16 +327,27 @@ def check_hang(cls: Callable, cases: Sequence[str] = ("ssp",), timeout: float | 
     name, limit = getattr(cls, "__name__", "your server"), _timeout(timeout)
     for case in cases:
         config = configs[case]
-        who, start = config.role(config.num_servers + config.fault.worker), time.monotonic()
-        try:
-            train(config, PROBLEM, server_cls=_watched(cls), timeout=limit)
-        except LaunchTimeout:
+        who = config.role(config.num_servers + config.fault.worker)
+        with tempfile.TemporaryDirectory(prefix="dtcourse-check-") as started:
+            try:
+                train(config, PROBLEM, server_cls=_watched(cls, started), timeout=limit)
+            except ParameterServerError as err:
+                failure = err
+            except LaunchTimeout:
+                failure = None
+            else:
+                raise AssertionError(f"{name} finished although {who} hung in iteration {config.fault.step} "
+                                     f"({_describe(config)})")
+            times = [float(open(os.path.join(started, f)).read()) for f in os.listdir(started)]
+            took = time.time() - min(times) if times else math.inf
+        if failure is None:
             waited = f"the run was still going {limit:g} s later"
-        except ParameterServerError as err:
+        else:
+            err = failure
             by_server = err.rank is not None and err.rank < config.num_servers
             if err.error == "WorkerFailure" and by_server and f"gave up: {who}" in str(err):
-                if time.monotonic() - start > config.timeout + 10:
-                    raise AssertionError(f"{name} named {who} only after {time.monotonic() - start:.1f} s") from None
+                if took > config.timeout + 10:
+                    raise AssertionError(f"{name} named {who} only {took:.1f} s after it started") from None
                 continue
             text = _failed_message(name, _describe(config), err)
             if err.error != "WorkerFailure" or by_server:
@@ -339,9 +356,6 @@ def check_hang(cls: Callable, cases: Sequence[str] = ("ssp",), timeout: float | 
                 raise AssertionError(f"{name} failed, but not by naming {who}, which hung in iteration "
                                      f"{config.fault.step} ({_describe(config)}):\n{text}") from None
             waited = "the other workers gave up waiting for your answers first"     # a worker's WorkerFailure
-        else:
-            raise AssertionError(f"{name} finished although {who} hung in iteration {config.fault.step} "
-                                 f"({_describe(config)})")
         raise AssertionError(
             f"{name} waited for ever ({_describe(config)}): {who} hung in iteration {config.fault.step}, "
             f"and {waited}. Keep `owed`, every worker that owes you a message with the time you last "
