@@ -411,3 +411,38 @@ def test_after_a_backward_on_a_gpu_machine_ranks_still_run_backward():
         (3 * w).sum().backward()
         return w.grad.tolist()
     assert launch(rank, 2, backend="gloo", timeout=120) == [[3.0, 3.0]] * 2
+
+
+def test_a_parent_whose_cuda_driver_is_initialised_starts_fresh_ranks(monkeypatch):
+    """Asking the CUDA runtime anything initialises the driver without torch.cuda.is_initialized() knowing; a
+    forked CPU rank's Adam.step() then failed on the H100 ("CUDA error: initialization error"). The driver is
+    asked directly (cuDeviceGetCount answers "not initialised" until cuInit); here, with no driver, it is not."""
+    from dtcourse.runtime import fresh
+    if gpu_count() == 0:
+        assert fresh._cuda_driver_initialised() is False
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(fresh, "_autograd_threads", lambda: False)
+    monkeypatch.setattr(fresh, "_cuda_driver_initialised", lambda: True)
+    assert "CUDA driver is initialised" in fresh.why_fresh()
+
+    def rank():
+        model = torch.nn.Linear(2, 2)
+        model(torch.ones(1, 2)).sum().backward()
+        torch.optim.Adam(model.parameters()).step()
+        return sys.argv[0]
+    assert launch(rank, 2, backend="gloo", timeout=120) == ["-c", "-c"]    # new interpreters, not forks
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(gpu_count() == 0, reason="needs CUDA")
+def test_after_the_parent_asked_the_cuda_runtime_forked_cpu_ranks_still_step_adam():
+    torch._C._cuda_getDeviceCount()              # the runtime's own count: initialises the driver
+    assert not torch.cuda.is_initialized()       # torch's lazy init has not run: only the driver knows
+
+    def rank():
+        model = torch.nn.Linear(2, 2)
+        model(torch.ones(1, 2)).sum().backward()
+        torch.optim.Adam(model.parameters()).step()
+        return True
+    assert launch(rank, 2, backend="gloo", timeout=120) == [True, True]

@@ -4,7 +4,11 @@
 notebook. Two things a parent may have done make a plain fork unusable, and both happen only with
 a CUDA build of PyTorch and a GPU in view:
 
-* it initialised CUDA (``.cuda()``, a tensor on ``"cuda"``): a forked child cannot use the GPU;
+* it initialised CUDA (``.cuda()``, a tensor on ``"cuda"``): a forked child cannot use the GPU. Not
+  only through torch's lazy initialisation: anything that asks the CUDA runtime (``torch.accelerator``,
+  a device count without NVML, a library) initialises the driver, and then even a CPU rank's
+  ``Adam.step()``, which asks whether the current CUDA stream is capturing a graph, fails in the fork
+  with "CUDA error: initialization error" (found on the H100 run). The driver itself is asked;
 * it ran a backward pass: autograd then starts one worker thread per GPU (named ``pt_autograd_<i>``),
   even for a CPU-only backward, and PyTorch refuses any backward in a forked child ("Unable to handle
   autograd's threading in combination with fork-based multiprocessing").
@@ -19,6 +23,7 @@ rebuilt ``fn``, so that start-up does not count against it. ``DTCOURSE_FRESH_RAN
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import pickle
@@ -50,6 +55,17 @@ def _autograd_threads() -> bool:
     return False
 
 
+def _cuda_driver_initialised() -> bool:
+    """Whether this process's CUDA driver has been initialised (cuInit), asked without initialising it:
+    before cuInit, ``cuDeviceGetCount`` answers CUDA_ERROR_NOT_INITIALIZED (3)."""
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+    except OSError:                                 # no NVIDIA driver: nothing to initialise
+        return False
+    count = ctypes.c_int()
+    return driver.cuDeviceGetCount(ctypes.byref(count)) != 3
+
+
 def why_fresh() -> str | None:
     """Why a forked rank could not compute here (the reason, for messages), or None."""
     if os.environ.get("DTCOURSE_FRESH_RANKS") == "1":
@@ -58,6 +74,8 @@ def why_fresh() -> str | None:
         return None
     if torch.cuda.is_initialized():
         return "CUDA is initialised in this process"
+    if _cuda_driver_initialised():
+        return "the CUDA driver is initialised in this process (something asked the CUDA runtime)"
     if _autograd_threads():
         return "a backward pass ran in this process with a GPU in view (autograd's GPU threads are running)"
     return None
