@@ -86,6 +86,10 @@ WHOLE_MODULE = _answer(save=[('"model": model.state_dict(),', '"model": model,')
 WAITS_FOR_RANK_0 = _answer(save=[("    tmp = path.with_name", "    import torch.distributed as dist\n"
                                                           "    if dist.get_rank() == 0:\n        dist.barrier()\n"
                                                           "    tmp = path.with_name")])
+USES_THE_COURSE_WRITER = _answer(save=[(_WRITE, "    from dtcourse.fault_tolerance.snapshot import _atomic_write\n"
+                                                "    buffer = __import__('io').BytesIO()\n"
+                                                "    torch.save(state, buffer)\n"
+                                                "    _atomic_write(path, buffer.getvalue())")])
 CALLS_THE_COURSE = _answer(save=[('    state = {\n', '    from dtcourse.fault_tolerance import rng_state\n'
                                                   '    generators = rng_state()\n    state = {\n')])
 
@@ -133,6 +137,10 @@ def test_the_course_snapshots_are_marked_and_refused():
     with pytest.raises(AssertionError, match=r"rank \d raised ReferenceRefused: dtcourse\.fault_tolerance\.snapshot\."
                                              r"rng_state is the course's own answer to exercise 12"):
         checks.check_snapshot_resume(*CALLS_THE_COURSE)
+    assert snapshot._atomic_write.__dtcourse_reference__ == ("fault_tolerance", "12")
+    with pytest.raises(AssertionError, match=r"raised ReferenceRefused: dtcourse\.fault_tolerance\.snapshot\._atomic_write "
+                                             r"is the course's own answer to exercise 12"):
+        checks.check_snapshot_round_trip(*USES_THE_COURSE_WRITER)
 
 
 # --------------------------------------------------------------------------- #

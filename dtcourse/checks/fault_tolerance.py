@@ -51,7 +51,7 @@ import torch.nn as nn
 
 from dtcourse.checks.common import (_as_student, _check_names, _deadlock, _notes, _read, _refuse_library_code,
                                      _stderr_to_stdout, _tail, _where_stuck)
-from dtcourse.checks.guard import _switched_off, watching
+from dtcourse.checks.guard import watching
 from dtcourse.runtime.launch import LaunchError, LaunchTimeout, RankError, launch
 
 __all__ = ["check_snapshot_round_trip", "check_snapshot_atomic", "check_snapshot_size", "check_snapshot_resume",
@@ -113,16 +113,13 @@ def _note(progress: str, text: str) -> None:
 
 
 def _student(fn: Callable, progress: str, *args: Any) -> Any:
-    """``fn(*args)`` with the course's snapshots refused; its error stops the check.
+    """``fn(*args)`` with the course's snapshots (and their atomic writer) refused; its error stops the check.
 
     A check that restarts its ranks restarts them after any failure, the student's too: so the first error is
     written to ``progress/stop``, every later attempt returns at once (``_stop_here``), and ``_launch`` reports it.
     """
-    from dtcourse.fault_tolerance import snapshot
-    why = ("dtcourse.fault_tolerance's atomic writer is switched off while exercise 12's checks run: write the "
-           "temporary file and rename it yourself")
     try:
-        with watching(TOPICS), _switched_off(snapshot, "_atomic_write", "fault_tolerance", why):
+        with watching(TOPICS):
             return _as_student(progress, lambda: fn(*args))
     except Exception:
         rank, stop = dist.get_rank(), Path(progress, "stop")

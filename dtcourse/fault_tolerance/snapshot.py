@@ -135,6 +135,7 @@ def _rank_world(group) -> tuple[int, int]:
     return 0, 1
 
 
+@reference("fault_tolerance", "12")   # exercise 12 writes the temporary file and renames it: refused in its checks
 def _atomic_write(path: Path, data: bytes) -> None:
     """Write ``data`` to a temporary file beside ``path``, flush it to disk, then rename it to ``path``."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
