@@ -17,18 +17,21 @@ from dtcourse.runtime import processes, results
 from dtcourse.runtime.device import choose_backend, gpu_count
 
 
-def _children() -> list[int]:
-    """PIDs of live (non-zombie) processes whose parent is this test process."""
-    me, found = os.getpid(), []
+def _children(parent: int | None = None) -> list[int]:
+    """PIDs of live (non-zombie) processes whose parent is this test process (or ``parent``), the ranks' starter
+    excepted (``fresh.py``: it stays, to start the next launch's ranks) but not the ranks it started."""
+    from dtcourse.runtime import fresh
+    me, found = parent or os.getpid(), []
+    starter = fresh._STARTER.proc.pid if fresh._STARTER is not None and parent is None else None
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[1]) == me and fields[0] != "Z":
+        if int(fields[1]) == me and fields[0] != "Z" and int(pid) != starter:
             found.append(int(pid))
-    return found
+    return found + (_children(starter) if starter else [])
 
 
 def _alive(pid: int) -> bool:
@@ -212,6 +215,7 @@ def test_an_error_in_a_rank_set_up_never_runs_the_parent_code(tmp_path, monkeypa
     def interrupted_set_up():
         raise KeyboardInterrupt
 
+    monkeypatch.delenv("DTCOURSE_FRESH_RANKS", raising=False)        # forked ranks: they see this monkeypatch
     monkeypatch.setattr(processes, "_set_parent_death_signal", interrupted_set_up)
     try:
         with pytest.raises(LaunchError, match=r"rank \d exited with code 70 while setting itself up"):
@@ -420,6 +424,7 @@ def test_a_parent_whose_cuda_driver_is_initialised_starts_fresh_ranks(monkeypatc
     from dtcourse.runtime import fresh
     if gpu_count() == 0:
         assert fresh._cuda_driver_initialised() is False
+    monkeypatch.delenv("DTCOURSE_FRESH_RANKS", raising=False)
     monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
     monkeypatch.setattr(fresh, "_autograd_threads", lambda: False)
@@ -446,3 +451,35 @@ def test_after_the_parent_asked_the_cuda_runtime_forked_cpu_ranks_still_step_ada
         torch.optim.Adam(model.parameters()).step()
         return True
     assert launch(rank, 2, backend="gloo", timeout=120) == [True, True]
+
+
+def test_ranks_from_the_starter_report_like_forked_ones_and_leave_nothing_behind(monkeypatch, capsys):
+    """Where a fork cannot compute, a clean starter process forks the ranks (fresh.py): it stays for the next
+    launch, which then starts as fast as a fork, and its ranks behave as forked ones do: results in rank order,
+    prefixed output, a rank's death with its signal, a hang stopped with the stuck ranks named, nothing left
+    running (the fixture looks at the starter's children too)."""
+    from dtcourse.runtime import fresh
+    monkeypatch.setenv("DTCOURSE_FRESH_RANKS", "1")
+
+    def hello(tag):
+        print(f"hello from {dist.get_rank()} in {os.getcwd()}", flush=True)
+        return tag, dist.get_rank(), os.environ["TORCHELASTIC_RESTART_COUNT"], sys.argv[0]
+    assert launch(hello, 3, "t") == [("t", r, "0", "-c") for r in range(3)]
+    assert "[rank 2] hello from 2 in " + os.getcwd() in capsys.readouterr().out
+    starter = fresh._STARTER.proc.pid
+    start = time.monotonic()
+    assert launch(hello, 2, "u")[1] == ("u", 1, "0", "-c")
+    assert fresh._STARTER.proc.pid == starter and time.monotonic() - start < 2.0   # no new Python this time
+
+    def dies():
+        if dist.get_rank() == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(30)
+    with pytest.raises(LaunchError, match="rank 1 was killed by signal 9"):
+        launch(dies, 2, timeout=20)
+
+    def one_skips():
+        if dist.get_rank() != 0:
+            dist.all_reduce(torch.ones(1))
+    with pytest.raises(LaunchTimeout, match=r"rank\(s\) \[1\] still running"):
+        launch(one_skips, 2, timeout=2)

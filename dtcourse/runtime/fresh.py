@@ -13,31 +13,41 @@ a CUDA build of PyTorch and a GPU in view:
   even for a CPU-only backward, and PyTorch refuses any backward in a forked child ("Unable to handle
   autograd's threading in combination with fork-based multiprocessing").
 
-Then each rank is still forked (so the pipes, the process group and the clean-up stay those of
-``processes.py``) but at once replaces itself with a new Python (``execv``) that rebuilds ``fn``,
-``args`` and ``kwargs`` from a file that cloudpickle wrote: functions of ``__main__`` (a notebook)
-travel by value, others by reference. Starting costs an import of torch per rank (about 2 s on a GPU
-node, and more on a loaded one) instead of 0.05 s; ``launch``'s timeout starts once every rank has
-rebuilt ``fn``, so that start-up does not count against it. ``DTCOURSE_FRESH_RANKS=1`` asks for this path everywhere (the tests use it).
+Then the ranks are forked by a *starter* instead: a new Python, started once per process on first need,
+that imports torch and this package and never runs backward nor touches CUDA, so it forks clean ranks
+as fast as a clean parent would (a new Python per rank, as before, cost about 2 s of start-up each on
+a GPU node, and one lesson's cell of many launches ran past its time limit there). The parent sends it,
+over a Unix socket, the ranks' pipe ends (``SCM_RIGHTS``), its environment and working directory, and
+a file that cloudpickle wrote with ``fn``, ``args`` and ``kwargs``: functions of ``__main__`` (a
+notebook) travel by value, others by reference. The pipes, the process groups and the clean-up stay
+those of ``processes.py``; the starter reaps the ranks and tells the parent how one ended. The starter
+dies with its parent (``PR_SET_PDEATHSIG``). Modules are those the starter imported when it started.
+``launch``'s timeout starts once every rank has rebuilt ``fn``, so that start-up never counts against
+it. ``DTCOURSE_FRESH_RANKS=1`` asks for this path everywhere (the tests use it).
 """
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import json
 import os
 import pickle
+import signal
+import socket
+import subprocess
 import sys
 import tempfile
+import time
 import traceback
 from typing import Any, Callable
 
 import torch
 
-__all__ = ["why_fresh", "write_payload", "exec_rank"]
+__all__ = ["why_fresh", "write_payload", "start_rank", "ended", "exit_code"]
 
-_BOOT = ("import pickle, sys; f = open(sys.argv[1], 'rb'); sys.path[:] = pickle.load(f); "
-         "from dtcourse.runtime.fresh import _main; _main(f, sys.argv[2])")
+_BOOT = ("import json, sys; sys.path[:] = json.loads(sys.argv[2]); "
+         "from dtcourse.runtime.fresh import _starter_main; _starter_main(int(sys.argv[1]))")
 
 
 def _autograd_threads() -> bool:
@@ -101,31 +111,150 @@ def write_payload(fn: Callable[..., Any], args: tuple, kwargs: dict, why: str) -
     return path
 
 
-def exec_rank(payload: str, rank: int, world_size: int, backend: str, store_path: str, timeout: float,
-              threads: int, fds: list[int]) -> None:
-    """In a just-forked child: become a new Python that runs the rank. Never returns."""
-    from dtcourse.runtime.processes import SETUP_FAILED
+# --------------------------------------------------------------------------- #
+# In the parent: the starter, and what it is asked
+# --------------------------------------------------------------------------- #
+class _Starter:
+    """The starter process and the parent's end of its socket (one message per request and per reply)."""
+
+    def __init__(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.proc = subprocess.Popen([sys.executable, "-c", _BOOT, str(theirs.fileno()), json.dumps(sys.path)],
+                                     pass_fds=[theirs.fileno()], start_new_session=True,
+                                     stdin=subprocess.DEVNULL)
+        theirs.close()
+        self.sock = ours
+
+    def ask(self, request: dict, fds: list[int] = ()) -> dict:
+        from dtcourse.runtime.processes import LaunchError
+        try:
+            socket.send_fds(self.sock, [json.dumps(request).encode()], list(fds))
+            reply = self.sock.recv(1 << 16)
+        except OSError:
+            reply = b""
+        if not reply:
+            code = self.proc.poll()
+            raise LaunchError(f"launch: the process that starts fresh ranks ended (exit code {code}); the next "
+                              "launch starts a new one.")
+        return json.loads(reply)
+
+    def close(self) -> None:
+        self.sock.close()                 # the starter reads end-of-file and exits
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+_STARTER: _Starter | None = None
+
+
+def _starter() -> _Starter:
+    global _STARTER
+    if _STARTER is None or _STARTER.proc.poll() is not None or _STARTER.pid_owner != os.getpid():
+        _STARTER = _Starter()
+        _STARTER.pid_owner = os.getpid()   # a forked child of this process must not share its socket
+        atexit.register(_STARTER.close)
+    return _STARTER
+
+
+def start_rank(payload: str, rank: int, world_size: int, backend: str, store_path: str, timeout: float,
+               threads: int, fds: list[int]) -> int:
+    """Have the starter fork rank ``rank``, writing to ``fds``; return its pid (not a child of this process)."""
+    spec = [rank, world_size, backend, store_path, timeout, threads]
     try:
-        for fd in fds:
-            os.set_inheritable(fd, True)
-        spec = json.dumps([rank, world_size, backend, store_path, timeout, threads, fds])
-        os.execv(sys.executable, [sys.executable, "-c", _BOOT, payload, spec])
+        reply = _starter().ask({"start": spec, "payload": payload, "env": dict(os.environ), "cwd": os.getcwd()},
+                               fds)
+    except Exception:
+        global _STARTER
+        _STARTER = None                   # a dead starter: the next launch starts another
+        raise
+    return reply["pid"]
+
+
+def ended(pid: int) -> bool:
+    """Whether a rank the starter forked is gone (reaped by the starter)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+def exit_code(pid: int) -> int:
+    """How a rank the starter forked ended: ``os.waitstatus_to_exitcode``'s number (negative: a signal)."""
+    return _starter().ask({"status": pid})["code"]
+
+
+# --------------------------------------------------------------------------- #
+# In the starter
+# --------------------------------------------------------------------------- #
+def _starter_main(fd: int) -> None:
+    """Serve the parent: fork a rank per request, reap ranks, say how one ended. Exits with the parent."""
+    from dtcourse.runtime.processes import _set_parent_death_signal
+    _set_parent_death_signal()
+    if os.getppid() == 1:                 # the parent died before the line above
+        os._exit(0)
+    sock = socket.socket(fileno=fd)
+    codes: dict[int, int] = {}
+
+    def reap(*_: Any) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            codes[pid] = os.waitstatus_to_exitcode(status)
+            while len(codes) > 1000:      # ranks nobody asked about
+                codes.pop(next(iter(codes)))
+    signal.signal(signal.SIGCHLD, reap)
+    while True:
+        try:
+            message, fds, _, _ = socket.recv_fds(sock, 1 << 20, 8)
+        except OSError:
+            os._exit(0)
+        if not message:
+            os._exit(0)
+        request = json.loads(message)
+        if "start" in request:
+            pid = os.fork()
+            if pid == 0:
+                _rank(sock, request, fds)
+            for f in fds:
+                os.close(f)
+            sock.send(json.dumps({"pid": pid}).encode())
+        else:
+            pid, end = request["status"], time.monotonic() + 10
+            while pid not in codes and time.monotonic() < end:
+                reap()
+                time.sleep(0.01)
+            sock.send(json.dumps({"code": codes.pop(pid, 70)}).encode())
+
+
+def _rank(sock: socket.socket, request: dict, fds: list[int]) -> None:
+    """In a child of the starter: the parent's environment, then the rank as a forked one runs it. Never returns."""
+    from dtcourse.runtime.processes import READY, SETUP_FAILED, _child, _send
+    from dtcourse.runtime.results import encode
+    try:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        sock.close()
+        os.environ.clear()
+        os.environ.update(request["env"])
+        os.chdir(request["cwd"])
+        rank, world_size, backend, store_path, timeout, threads = request["start"]
+        try:
+            with open(request["payload"], "rb") as f:
+                sys.path[:] = pickle.load(f)
+                fn, args, kwargs = pickle.load(f)
+        except BaseException:
+            _send(fds[2], encode(("error", "launch could not rebuild fn in the rank's fresh interpreter:\n"
+                                           + traceback.format_exc())))
+            os._exit(0)
+        os.write(fds[3], READY)           # launch's timeout counts from here: the start-up was not fn's time
+        _child(fn, args, kwargs, rank, world_size, backend, store_path, timeout, threads, fds)
     finally:
         os._exit(SETUP_FAILED)
-
-
-def _main(f, spec: str) -> None:
-    """The new Python's rank: rebuild fn, then run it exactly as a forked rank would."""
-    from dtcourse.runtime.processes import READY, _child, _send
-    from dtcourse.runtime.results import encode
-
-    rank, world_size, backend, store_path, timeout, threads, fds = json.loads(spec)
-    try:
-        fn, args, kwargs = pickle.load(f)
-    except BaseException:
-        _send(fds[2], encode(("error", "launch could not rebuild fn in the rank's fresh interpreter:\n"
-                                       + traceback.format_exc())))
-        os._exit(0)
-    f.close()
-    os.write(fds[3], READY)             # launch's timeout counts from here: the start-up was not fn's time
-    _child(fn, args, kwargs, rank, world_size, backend, store_path, timeout, threads, fds)

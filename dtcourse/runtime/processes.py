@@ -147,6 +147,7 @@ class _Rank:
     message: tuple | None = None
     reaped: bool = False
     ready: bool = True                        # a fresh rank is not until its READY byte arrives
+    ours: bool = True                         # forked by this process (else by the starter, which reaps it)
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple, kwargs: dict, *, backend: str,
@@ -158,23 +159,18 @@ def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple, kwargs: dict
     try:
         for rank in range(world_size):
             pipes = [os.pipe() for _ in range(4)]
-            # SIGINT stays blocked across fork, so a Ctrl-C cannot raise inside the child
-            # before _child has taken charge of it (and unwind into this function there).
-            mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-            pid = os.fork()
-            if pid == 0:  # child
-                for r in ranks:
-                    for fd in r.fds:
-                        os.close(fd)
-                for read_end, _ in pipes:
-                    os.close(read_end)
-                start = partial(fresh.exec_rank, payload) if payload else partial(_child, fn, args, kwargs)
-                start(rank, world_size, backend, store_path, timeout, threads, [w for _, w in pipes])
-            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-            for _, write_end in pipes:
-                os.close(write_end)
+            try:
+                if payload:                   # forked by the starter, a clean Python (fresh.py)
+                    pid = fresh.start_rank(payload, rank, world_size, backend, store_path, timeout, threads,
+                                           [w for _, w in pipes])
+                else:
+                    pid = _fork(ranks, pipes, partial(_child, fn, args, kwargs),
+                                (rank, world_size, backend, store_path, timeout, threads, [w for _, w in pipes]))
+            finally:
+                for _, write_end in pipes:
+                    os.close(write_end)
             info = _Rank(rank, pid, {pipes[0][0]: "out", pipes[1][0]: "err", pipes[2][0]: "res",
-                                     pipes[3][0]: "stack"}, ready=payload is None)
+                                     pipes[3][0]: "stack"}, ready=payload is None, ours=payload is None)
             ranks.append(info)
             for fd, kind in info.fds.items():
                 sel.register(fd, selectors.EVENT_READ, (info, kind))
@@ -190,6 +186,23 @@ def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple, kwargs: dict
             os.unlink(payload)
 
 
+def _fork(ranks: list[_Rank], pipes: list[tuple[int, int]], start: Callable, args: tuple) -> int:
+    """Fork a rank that runs ``start(*args)``; return its pid."""
+    # SIGINT stays blocked across fork, so a Ctrl-C cannot raise inside the child
+    # before _child has taken charge of it (and unwind into this function there).
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    pid = os.fork()
+    if pid == 0:  # child
+        for r in ranks:
+            for fd in r.fds:
+                os.close(fd)
+        for read_end, _ in pipes:
+            os.close(read_end)
+        start(*args)
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    return pid
+
+
 def _kill_all(ranks: list[_Rank]) -> None:
     # killpg also ends anything a rank started itself (its group is its own).
     for r in ranks:
@@ -202,12 +215,16 @@ def _kill_all(ranks: list[_Rank]) -> None:
                 except ProcessLookupError:
                     pass
     for r in ranks:
-        if not r.reaped:
+        if not r.reaped and r.ours:
             try:
                 os.waitpid(r.pid, 0)
             except ChildProcessError:
                 pass
-            r.reaped = True
+        elif not r.reaped:                              # the starter's child: it reaps it
+            end = time.monotonic() + 5
+            while not fresh.ended(r.pid) and time.monotonic() < end:
+                time.sleep(0.005)
+        r.reaped = True
 
 
 def _emit(rank: int, stream: str, text: str) -> None:
@@ -309,9 +326,11 @@ def _message_complete(info: _Rank) -> bool:
 
 
 def _died(info: _Rank) -> None:
-    _, status = os.waitpid(info.pid, 0)
+    if info.ours:
+        code = os.waitstatus_to_exitcode(os.waitpid(info.pid, 0)[1])
+    else:
+        code = fresh.exit_code(info.pid)
     info.reaped = True
-    code = os.waitstatus_to_exitcode(status)
     how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
     if code == SETUP_FAILED:
         how += " while setting itself up (before running fn)"
