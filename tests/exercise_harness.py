@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 from dtcourse.grading.grade import Report, grade_notebook
 
@@ -109,6 +110,24 @@ def solution_code(name: str) -> dict[str, str]:
     """The source's solution cells with the markers taken out: a student who got it all right."""
     return {grade_id: "\n".join(line for line in source.split("\n") if "SOLUTION" not in line)
             for grade_id, source in nbgrader_cells(source_path(name), solution_only=True).items()}
+
+
+def compile_answers(name: str, cells: Sequence[str], edits: dict[str, list[tuple[str, str]]], filename: str,
+                    module: str) -> dict:
+    """The setup cell and the solution's ``cells`` of ``name``, each ``(old, new)`` of ``edits[cell]`` replaced, run.
+
+    The code is compiled under ``filename`` and run as module ``module`` (the test file's ``__file__`` and
+    ``__name__``): to the checks, what it defines is a student's code. Returns the namespace it ran in.
+    """
+    given, answers = nbgrader_cells(source_path(name)), solution_code(name)
+    for cell, pairs in edits.items():
+        for old, new in pairs:
+            assert old in answers[cell], f"{old!r} is not in the solution's {cell} cell"
+            answers[cell] = answers[cell].replace(old, new)
+    namespace: dict = {"__name__": module}
+    code = "\n\n".join([given["setup"], *(answers[cell] for cell in cells)])
+    exec(compile(code, filename, "exec"), namespace)
+    return namespace
 
 
 def student_copy(name: str, directory: Path, answers: dict[str, str]) -> Path:

@@ -29,7 +29,7 @@ from dtcourse import checks
 from dtcourse.checks import moe as moe_checks
 from dtcourse.models import moe as layer
 from dtcourse.moe import dispatch as library
-from exercise_harness import EXPECTED, assert_released, nbgrader_cells, solution_code, source_path
+from exercise_harness import EXPECTED, assert_released, compile_answers
 
 NAME = "11_moe_dispatch"
 BOTH = ("small", "large")
@@ -37,15 +37,7 @@ BOTH = ("small", "large")
 
 def _answer(**edits: list[tuple[str, str]]) -> dict:
     """The solution's cells, each ``(old, new)`` of ``edits[cell]`` replaced, compiled under this file's name."""
-    cells, answers = nbgrader_cells(source_path(NAME)), solution_code(NAME)
-    for cell, pairs in edits.items():
-        for old, new in pairs:
-            assert old in answers[cell], f"{old!r} is not in the solution's {cell} cell"
-            answers[cell] = answers[cell].replace(old, new)
-    namespace: dict = {"__name__": __name__}
-    code = "\n\n".join([cells["setup"], answers["positions"], answers["dispatch"], answers["combine"]])
-    exec(compile(code, __file__, "exec"), namespace)
-    return namespace
+    return compile_answers(NAME, ("positions", "dispatch", "combine"), edits, __file__, __name__)
 
 
 SOLUTION = _answer()

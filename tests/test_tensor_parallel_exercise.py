@@ -25,7 +25,7 @@ import pytest
 
 from dtcourse import checks
 from dtcourse.tensor_parallel import communications, layers
-from exercise_harness import EXPECTED, assert_released, nbgrader_cells, solution_code, source_path
+from exercise_harness import EXPECTED, assert_released, compile_answers
 
 NAME = "09_tensor_parallel_layers"
 BOTH = ("small", "large")
@@ -33,15 +33,7 @@ BOTH = ("small", "large")
 
 def _answer(**edits: list[tuple[str, str]]) -> dict:
     """The solution's cells, each ``(old, new)`` of ``edits[cell]`` replaced, compiled under this file's name."""
-    cells, answers = nbgrader_cells(source_path(NAME)), solution_code(NAME)
-    for cell, pairs in edits.items():
-        for old, new in pairs:
-            assert old in answers[cell], f"{old!r} is not in the solution's {cell} cell"
-            answers[cell] = answers[cell].replace(old, new)
-    namespace: dict = {"__name__": __name__}
-    code = "\n\n".join([cells["setup"], answers["f_and_g"], answers["column"], answers["row"]])
-    exec(compile(code, __file__, "exec"), namespace)
-    return namespace
+    return compile_answers(NAME, ("f_and_g", "column", "row"), edits, __file__, __name__)
 
 
 SOLUTION = _answer()

@@ -6,6 +6,9 @@ autograder prints: which rank, which case, what was expected and what came back.
 ``_launch_check`` does that in the notebook's process; inside the ranks,
 ``_stop_at_first_failure`` runs the cases one by one and stops every rank at the
 first case any rank got wrong, and ``_as_student`` keeps the student's error.
+The checks of a parallel layer (tensor and expert parallelism) run groups side by
+side: ``_SideBySide`` is such a case, and ``_GroupPlace`` one rank in it, with its
+group and a log of the collectives the student's code starts.
 """
 
 from __future__ import annotations
@@ -17,13 +20,17 @@ import sys
 import tempfile
 import traceback
 import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from types import FunctionType
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import ProcessGroup
 
+from dtcourse.checks.guard import COLLECTIVE_METHODS
 from dtcourse.runtime.refuse import ReferenceRefused, is_library_file
 from dtcourse.runtime.launch import LaunchError, LaunchTimeout, RankError, launch
 from dtcourse.runtime.processes import frames
@@ -193,3 +200,86 @@ def _as_student(progress: str, call: Callable) -> object:
     except Exception as exc:
         Path(progress, f"{dist.get_rank()}.error").write_text(_student_error(exc))
         raise
+
+
+# --------------------------------------------------------------------------- #
+# Groups side by side: a case, and this rank in it with every collective its code starts
+# --------------------------------------------------------------------------- #
+@dataclass(frozen=True)
+class _SideBySide:
+    """``world`` ranks launched, in groups of ``size`` side by side; a subclass names the size (``symbol``)."""
+
+    world: int        # ranks launched
+    size: int         # one group's ranks: world // size groups side by side
+    symbol = "size"   # what the exercise calls the size ("t", "ep"): not a field
+
+    def groups(self) -> list[list[int]]:
+        return [list(range(i, i + self.size)) for i in range(0, self.world, self.size)]
+
+    def __str__(self) -> str:
+        if self.size == self.world:
+            return f"{self.symbol} = {self.size} on {self.world} ranks"
+        groups = " and ".join(str(ranks) for ranks in self.groups())
+        return f"two groups of {self.symbol} = {self.size} side by side on {self.world} ranks, {groups}"
+
+
+class _GroupPlace:
+    """This rank in a ``_SideBySide`` case: its group, its rank r in it, and a log of what its code starts.
+
+    A subclass turns one process-group call into its log entry (``_call``, with an ``on`` attribute that
+    ``_on`` gives) and says how to keep a collective on the group passed in (``advice``). Nothing is logged
+    while ``phase`` is None. ``at`` notes the case, ``label`` (the sub-case, if any) and the phase for a hang.
+    """
+
+    advice = ""
+
+    def __init__(self, case: _SideBySide, progress: str, phase: str | None):
+        self.case, self.rank = case, dist.get_rank()
+        members = case.groups()
+        groups = [dist.new_group(ranks) for ranks in members]    # every rank makes every group, in order
+        self.index, self.r = divmod(self.rank, case.size)
+        self.members, self.group = members[self.index], groups[self.index]
+        self.seed = 1000 * self.index        # one set of inputs on a group's ranks, another on the next group's
+        self.note, self.phase, self.calls, self.label = Path(progress, str(self.rank)), phase, [], ""
+
+    def at(self, phase: str) -> None:
+        self.phase = phase
+        self.note.write_text(", ".join(part for part in (str(self.case), self.label, phase) if part))
+
+    def who(self) -> str:
+        return f"(group {self.members}, its rank {self.r}) " if self.case.size != self.case.world else ""
+
+    def _on(self, pg: ProcessGroup) -> str:
+        return ("the group" if pg is self.group else f"the default group (all {self.case.world} ranks)"
+                if pg is dist.group.WORLD else "another group")
+
+    def _call(self, method: str, pg: ProcessGroup, args: tuple) -> object:
+        raise NotImplementedError
+
+    @contextmanager
+    def recording(self) -> Iterator[None]:
+        """Inside ``watching``: every collective and send of the process groups, logged by ``_call``."""
+        saved = {}
+
+        def make(method: str, raw: object) -> Callable:
+            def call(pg, *args, **kwargs):
+                if self.phase is not None:
+                    self.calls.append(self._call(method, pg, args))
+                return raw.__get__(pg, ProcessGroup)(*args, **kwargs)
+            return call
+
+        for method in (*COLLECTIVE_METHODS, "send"):
+            if method in ProcessGroup.__dict__:
+                saved[method] = ProcessGroup.__dict__[method]
+                setattr(ProcessGroup, method, make(method, saved[method]))
+        try:
+            yield
+        finally:
+            for method, raw in saved.items():
+                setattr(ProcessGroup, method, raw)
+
+    def group_hint(self) -> str:
+        if any(c.on != "the group" for c in self.calls):
+            return (f"\n    hint: a collective ran on another process group than the one passed in (ranks "
+                    f"{self.members}): {self.advice}")
+        return ""

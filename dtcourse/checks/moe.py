@@ -31,20 +31,19 @@ seeds, so each computes what it expects with no communication. While the student
 from __future__ import annotations
 
 import copy
-from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch._C._distributed_c10d import ProcessGroup
 
-from dtcourse.checks.common import (_as_student, _check_names, _launch_check, _refuse_library_code,
-                                     _stop_at_first_failure)
-from dtcourse.checks.guard import COLLECTIVE_METHODS, _nbytes, watching
+from dtcourse.checks.common import (_as_student, _check_names, _GroupPlace, _launch_check, _refuse_library_code,
+                                     _SideBySide, _stop_at_first_failure)
+from dtcourse.checks.guard import _nbytes, watching
 from dtcourse.models.moe import MoE, Routing, capacity, route
 
 __all__ = ["check_moe_positions", "check_moe_dispatch", "check_moe_combine", "MOE_CASES", "POSITION_CASES",
@@ -53,16 +52,14 @@ __all__ = ["check_moe_positions", "check_moe_dispatch", "check_moe_combine", "MO
 TOPICS = {"moe": "11"}       # the references refused while these checks run
 
 
-@dataclass(frozen=True)
-class _Case:
-    world: int        # ranks launched
-    ep: int           # expert-parallel size: world // ep groups side by side
+class _Case(_SideBySide):
+    """``_Case(world, ep)``: groups of ep ranks side by side."""
 
-    def __str__(self) -> str:
-        if self.ep == self.world:
-            return f"ep = {self.ep} on {self.world} ranks"
-        groups = " and ".join(str(list(range(i, i + self.ep))) for i in range(0, self.world, self.ep))
-        return f"two groups of ep = {self.ep} side by side on {self.world} ranks, {groups}"
+    symbol = "ep"
+
+    @property
+    def ep(self) -> int:      # expert-parallel size
+        return self.size
 
 
 MOE_CASES = {
@@ -145,24 +142,14 @@ def _a2a_splits(args: tuple, ep: int) -> tuple[tuple[int, ...], tuple[int, ...],
     return rows, received, x[0].nbytes if x.dim() and x.shape[0] else 0
 
 
-class _Place:
+class _Place(_GroupPlace):
     """This rank in a case: its expert-parallel group, its rank r in it, and a log of what it sends."""
 
+    advice = "pass group=group to all_to_all, and take ep from dist.get_world_size(group)"
+
     def __init__(self, case: _Case, progress: str):
-        self.case, self.rank, self.ep = case, dist.get_rank(), case.ep
-        members = [list(range(i, i + case.ep)) for i in range(0, case.world, case.ep)]
-        groups = [dist.new_group(ranks) for ranks in members]    # every rank makes every group, in order
-        self.index, self.r = divmod(self.rank, case.ep)
-        self.members, self.group = members[self.index], groups[self.index]
-        self.seed = 1000 * self.index        # one set of tokens on a group's ranks, another on the next group's
-        self.note, self.phase, self.calls, self.label = Path(progress, str(self.rank)), None, [], ""
-
-    def at(self, phase: str) -> None:
-        self.phase = phase
-        self.note.write_text(f"{self.case}, {self.label}, {phase}")
-
-    def who(self) -> str:
-        return f"(group {self.members}, its rank {self.r}) " if self.ep != self.case.world else ""
+        super().__init__(case, progress, phase=None)
+        self.ep = case.ep
 
     def agree(self, problem: str | None) -> str | None:
         """Every rank learns whether any found a problem, so none goes on alone into a collective."""
@@ -172,35 +159,13 @@ class _Place:
         self.phase = phase
         return problem if problem is not None else ("" if flag.item() else None)
 
-    @contextmanager
-    def recording(self) -> Iterator[None]:
-        """Inside ``watching``: every collective and send of the process groups, with its rows and group."""
-        saved = {}
-
-        def make(method: str, raw: object) -> Callable:
-            def call(pg, *args, **kwargs):
-                if self.phase is not None:
-                    on = ("the group" if pg is self.group else f"the default group (all {self.case.world} ranks)"
-                          if pg is dist.group.WORLD else "another group")
-                    if method in ("all_to_all_single", "alltoall_base"):
-                        rows, received, row = _a2a_splits(args, pg.size())
-                        self.calls.append(_Call("all-to-all", rows, received, row, on, self.phase))
-                    else:
-                        op = "all-to-all (list form)" if method == "alltoall" else method
-                        self.calls.append(_Call(op, (), (), max([_nbytes(a) for a in args[:2]] + [0]), on,
-                                                self.phase))
-                return raw.__get__(pg, ProcessGroup)(*args, **kwargs)
-            return call
-
-        for method in (*COLLECTIVE_METHODS, "send"):
-            if method in ProcessGroup.__dict__:
-                saved[method] = ProcessGroup.__dict__[method]
-                setattr(ProcessGroup, method, make(method, saved[method]))
-        try:
-            yield
-        finally:
-            for method, raw in saved.items():
-                setattr(ProcessGroup, method, raw)
+    def _call(self, method: str, pg: ProcessGroup, args: tuple) -> _Call:
+        on = self._on(pg)
+        if method in ("all_to_all_single", "alltoall_base"):
+            rows, received, row = _a2a_splits(args, pg.size())
+            return _Call("all-to-all", rows, received, row, on, self.phase)
+        op = "all-to-all (list form)" if method == "alltoall" else method
+        return _Call(op, (), (), max([_nbytes(a) for a in args[:2]] + [0]), on, self.phase)
 
     def traffic(self, what: str, count: int, rows: int, phases: Sequence[str]) -> str | None:
         """None if ``phases`` started ``count`` all-to-alls on the group, each of ``rows`` rows split equally."""
@@ -217,13 +182,6 @@ class _Place:
         listed = ", ".join(map(str, found))
         listed = f"{len(found)} collectives ({listed})" if len(found) > 1 else listed or "no collective"
         return f"{what} started {listed}; expected {expected}"
-
-    def group_hint(self) -> str:
-        if any(c.on != "the group" for c in self.calls if c.phase is not None):
-            return (f"\n    hint: a collective ran on another process group than the one passed in (ranks "
-                    f"{self.members}): pass group=group to all_to_all, and take ep from "
-                    "dist.get_world_size(group)")
-        return ""
 
 
 # --------------------------------------------------------------------------- #

@@ -35,7 +35,6 @@ import copy
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 import torch
@@ -44,9 +43,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch._C._distributed_c10d import ProcessGroup
 
-from dtcourse.checks.common import (_as_student, _check_names, _launch_check, _refuse_library_code,
-                                     _stop_at_first_failure, _student_error)
-from dtcourse.checks.guard import COLLECTIVE_METHODS, _nbytes, _switched_off, watching
+from dtcourse.checks.common import (_as_student, _check_names, _GroupPlace, _launch_check, _refuse_library_code,
+                                     _SideBySide, _stop_at_first_failure, _student_error)
+from dtcourse.checks.guard import _nbytes, _switched_off, watching
 
 __all__ = ["check_f_and_g", "check_column_parallel", "check_row_parallel", "check_parallel_mlp", "TP_CASES",
            "TP_TOL"]
@@ -54,16 +53,14 @@ __all__ = ["check_f_and_g", "check_column_parallel", "check_row_parallel", "chec
 TOPICS = {"tensor_parallel": "09"}       # the references refused while these checks run
 
 
-@dataclass(frozen=True)
-class _Case:
-    world: int        # ranks launched
-    t: int            # tensor-parallel size: world // t groups side by side
+class _Case(_SideBySide):
+    """``_Case(world, t)``: groups of t ranks side by side."""
 
-    def __str__(self) -> str:
-        if self.t == self.world:
-            return f"t = {self.t} on {self.world} ranks"
-        groups = " and ".join(str(list(range(i, i + self.t))) for i in range(0, self.world, self.t))
-        return f"two groups of t = {self.t} side by side on {self.world} ranks, {groups}"
+    symbol = "t"
+
+    @property
+    def t(self) -> int:       # tensor-parallel size
+        return self.size
 
 
 TP_CASES = {
@@ -116,51 +113,22 @@ def _op(method: str) -> str:
     return "reduce-scatter" if "reduce_scatter" in method else method
 
 
-class _Place:
+class _Place(_GroupPlace):
     """This rank in a case: its tensor-parallel group, its rank r in it, and a log of what it sends."""
 
+    advice = ("give group=group to dist.all_reduce, and dist.get_rank(group), dist.get_world_size(group) for r "
+              "and t")
+
     def __init__(self, case: _Case, progress: str):
-        self.case, self.rank, self.t = case, dist.get_rank(), case.t
-        members = [list(range(i, i + case.t)) for i in range(0, case.world, case.t)]
-        groups = [dist.new_group(ranks) for ranks in members]    # every rank makes every group, in order
-        self.index, self.r = divmod(self.rank, case.t)
-        self.members, self.group = members[self.index], groups[self.index]
-        self.seed = 1000 * self.index        # one batch on a group's ranks, another on the next group's
-        self.note, self.phase, self.calls = Path(progress, str(self.rank)), "construction", []
+        super().__init__(case, progress, phase="construction")
+        self.t = case.t
 
     def slice(self, size: int) -> slice:
         n = size // self.t
         return slice(self.r * n, (self.r + 1) * n)
 
-    def at(self, phase: str) -> None:
-        self.phase = phase
-        self.note.write_text(f"{self.case}, {phase}")
-
-    def who(self) -> str:
-        return f"(group {self.members}, its rank {self.r}) " if self.t != self.case.world else ""
-
-    @contextmanager
-    def recording(self) -> Iterator[None]:
-        """Inside ``watching``: every collective and send of the process groups, with its bytes and group."""
-        saved = {}
-
-        def make(method: str, raw: object) -> Callable:
-            def call(pg, *args, **kwargs):
-                on = ("the group" if pg is self.group else f"the default group (all {self.case.world} ranks)"
-                      if pg is dist.group.WORLD else "another group")
-                self.calls.append(_Call(_op(method), max([_nbytes(a) for a in args[:2]] + [0]), on, self.phase))
-                return raw.__get__(pg, ProcessGroup)(*args, **kwargs)
-            return call
-
-        for method in (*COLLECTIVE_METHODS, "send"):
-            if method in ProcessGroup.__dict__:
-                saved[method] = ProcessGroup.__dict__[method]
-                setattr(ProcessGroup, method, make(method, saved[method]))
-        try:
-            yield
-        finally:
-            for method, raw in saved.items():
-                setattr(ProcessGroup, method, raw)
+    def _call(self, method: str, pg: ProcessGroup, args: tuple) -> _Call:
+        return _Call(_op(method), max([_nbytes(a) for a in args[:2]] + [0]), self._on(pg), self.phase)
 
     def traffic(self, what: str, want: torch.Tensor | None, why: str) -> str | None:
         """None if ``phase`` started exactly one all-reduce of ``want``'s bytes on the group (nothing if None)."""
@@ -175,13 +143,6 @@ class _Place:
         listed = ", ".join(map(str, found))
         listed = f"{len(found)} collectives ({listed})" if len(found) > 1 else listed or "no collective"
         return f"{what} started {listed}; expected {expected}: {why}"
-
-    def group_hint(self) -> str:
-        if any(c.on != "the group" for c in self.calls):
-            return (f"\n    hint: a collective ran on another process group than the one passed in (ranks "
-                    f"{self.members}): give group=group to dist.all_reduce, and dist.get_rank(group), "
-                    "dist.get_world_size(group) for r and t")
-        return ""
 
 
 def _randn(shape: tuple[int, ...], seed: int) -> torch.Tensor:
