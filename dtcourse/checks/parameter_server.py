@@ -77,7 +77,7 @@ def _refuse_the_course_server(cls: Callable) -> None:
 def _watched(cls: Callable, started: str | None = None) -> type:
     """What ``train`` builds on each server rank: ``cls``, built and served inside ``watching``. With
     ``started`` (a folder), each server first writes there the wall-clock time it began, so that a check can
-    time the server, not the ranks' start-up (seconds where each rank is a new Python, as on a GPU machine)."""
+    time the server, not the ranks' start-up (seconds where the ranks' starter starts, as on a GPU machine)."""
     _refuse_the_course_server(cls)
 
     class Watched:

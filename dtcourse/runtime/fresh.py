@@ -124,6 +124,7 @@ class _Starter:
                                      stdin=subprocess.DEVNULL)
         theirs.close()
         self.sock = ours
+        self.sock.settimeout(300)        # the first reply waits for the starter to import torch
 
     def ask(self, request: dict, fds: list[int] = ()) -> dict:
         from dtcourse.runtime.processes import LaunchError
@@ -134,8 +135,8 @@ class _Starter:
             reply = b""
         if not reply:
             code = self.proc.poll()
-            raise LaunchError(f"launch: the process that starts fresh ranks ended (exit code {code}); the next "
-                              "launch starts a new one.")
+            raise LaunchError(f"launch: the process that starts the ranks (fresh.py) ended or did not answer in 300 s "
+                              f"(exit code {code}); the next launch starts a new one.")
         return json.loads(reply)
 
     def close(self) -> None:

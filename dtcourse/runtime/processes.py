@@ -10,7 +10,7 @@ Each child runs in its own process group (``setpgid``), asks the kernel to kill 
 dies (``PR_SET_PDEATHSIG``), and is killed with its whole group when the launch ends, on success,
 error, timeout or Ctrl-C. A child never returns into the parent's code: whatever happens in it,
 even an exception before it reaches the user's function, ends in ``os._exit``. ``fresh.py`` says
-when a child replaces itself with a new Python instead (a parent that used the GPU).
+when the ranks are forked by a clean starter process instead (a parent that used the GPU).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ __all__ = ["LaunchError", "RankError", "LaunchTimeout", "run_ranks"]
 READ_CHUNK = 1 << 20            # bytes per os.read: a 256 MB result arrives in 256 reads
 SETUP_FAILED = 70               # a child's exit code when it failed before running fn
 READY = b"\x06"                 # a fresh rank's first byte on its stack pipe: it has rebuilt fn and starts it
-START_LIMIT = 300.0             # seconds fresh interpreters may take to import torch and rebuild fn
+START_LIMIT = 300.0             # seconds the starter's ranks may take to start it (importing torch) and rebuild fn
 
 
 # --------------------------------------------------------------------------- #
@@ -152,7 +152,7 @@ class _Rank:
 
 def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple, kwargs: dict, *, backend: str,
               store_path: str, timeout: float, threads: int) -> list[Any]:
-    """Fork ``world_size`` ranks running ``fn`` (each a new Python where ``fresh.why_fresh()`` says a
+    """Fork ``world_size`` ranks running ``fn`` (forked by the starter where ``fresh.why_fresh()`` says a
     fork could not compute); return their results by rank; leave none running."""
     ranks, sel, why = [], selectors.DefaultSelector(), fresh.why_fresh()
     payload = fresh.write_payload(fn, args, kwargs, why) if why else None
@@ -234,7 +234,8 @@ def _emit(rank: int, stream: str, text: str) -> None:
 
 def _collect(ranks: list[_Rank], sel: selectors.BaseSelector, timeout: float) -> list[Any]:
     """Read every rank's output and result. ``timeout`` counts from the moment every rank is running fn: a
-    fresh interpreter's start (importing torch, about 2 s, far more on a loaded machine) is not fn's time."""
+    starter's ranks rebuild fn first (and the first launch starts the starter, importing torch: seconds on a
+    loaded machine), and that is not fn's time."""
     started = time.monotonic()
     deadline = started + timeout if all(r.ready for r in ranks) else None
     running = set(range(len(ranks)))
@@ -244,7 +245,7 @@ def _collect(ranks: list[_Rank], sel: selectors.BaseSelector, timeout: float) ->
         if deadline is None and time.monotonic() - started > START_LIMIT:
             late = [r.rank for r in ranks if not r.ready]
             raise LaunchError(f"launch: rank(s) {late} had not started fn {START_LIMIT:g} s after launch (each "
-                              "starts in a new Python, which imports torch and rebuilds fn). Is the machine "
+                              "is forked by a starter process, which imports torch, and rebuilds fn). Is the machine "
                               "out of memory, or does importing fn's module hang?")
         remaining = (deadline if deadline is not None else started + START_LIMIT) - time.monotonic()
         if remaining <= 0:
