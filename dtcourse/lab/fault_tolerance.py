@@ -247,9 +247,10 @@ class Elastic:
 
 
 def elastic(script: str | os.PathLike, directory: str | os.PathLike, change: str = "shrink", at_step: int = 8,
-            steps: int = 24, timeout: float = 60.0) -> Elastic:
+            steps: int = 24, timeout: float = 60.0, watch: float | None = None) -> Elastic:
     """Agents A and B run ``script``; at ``at_step``, node B (agent and worker) is killed (``"shrink"``), or, for
-    ``"grow"``, A starts alone and B joins then. Both are killed by ``timeout`` seconds, whatever happened."""
+    ``"grow"``, A starts alone and B joins then. Both are killed by ``timeout`` seconds, whatever happened, or
+    ``watch`` seconds after the change if that comes first (a loaded machine may take long to reach the change)."""
     directory, tag, port = Path(directory), uuid.uuid4().hex, free_port()
     directory.mkdir(parents=True, exist_ok=True)
     command = lambda host: [*elastic_args(port, host), script, "--dir", directory, "--steps", steps]
@@ -267,6 +268,8 @@ def elastic(script: str | os.PathLike, directory: str | os.PathLike, change: str
             kill_tagged(f"{tag}-B")                      # a node lost: its agent and its worker at once
         else:
             agents["B"] = _start(command(False), f"{tag}-B", files["B"])
+        if watch is not None:
+            deadline = min(deadline, changed_at + watch)
         agents["A"].wait(max(0.1, deadline - time.time()))
     except subprocess.TimeoutExpired:
         pass
