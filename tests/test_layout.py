@@ -51,6 +51,10 @@ LONG_MODULES = {
     "dtcourse/checks/pipeline.py": "exercise 08's three graded checks (valid, order, run on ranks) share one reading "
                                    "of the student's schedule and one catalogue of the usual mistakes that names "
                                    "which one a wrong schedule is; most of each check is its explanation",
+    "dtcourse/checks/parameter_server.py": "exercise 03's four graded checks (each push once, the staleness bound, "
+                                           "parity at s = 0, a hung worker named) share one set of server "
+                                           "configurations and one reading of the run's log; most of each check is "
+                                           "its explanation by worker, iteration and clock",
     "dtcourse/checks/fault_tolerance.py": "exercise 12's four graded checks (round trip, atomic, size, resume on "
                                           "ranks) share one reading of a snapshot's tensors and generators and one "
                                           "launcher that restarts the ranks; the atomic check's audit hook and its "

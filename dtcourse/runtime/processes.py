@@ -192,12 +192,9 @@ def _fork(ranks: list[_Rank], pipes: list[tuple[int, int]], start: Callable, arg
     # before _child has taken charge of it (and unwind into this function there).
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     pid = os.fork()
-    if pid == 0:  # child
-        for r in ranks:
-            for fd in r.fds:
-                os.close(fd)
-        for read_end, _ in pipes:
-            os.close(read_end)
+    if pid == 0:  # child: none of the parent's read ends
+        for fd in [fd for r in ranks for fd in r.fds] + [read_end for read_end, _ in pipes]:
+            os.close(fd)
         start(*args)
     signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     return pid
@@ -233,9 +230,8 @@ def _emit(rank: int, stream: str, text: str) -> None:
 
 
 def _collect(ranks: list[_Rank], sel: selectors.BaseSelector, timeout: float) -> list[Any]:
-    """Read every rank's output and result. ``timeout`` counts from the moment every rank is running fn: a
-    starter's ranks rebuild fn first (and the first launch starts the starter, importing torch: seconds on a
-    loaded machine), and that is not fn's time."""
+    """Read every rank's output and result. ``timeout`` counts once every rank runs fn: the starter's ranks
+    rebuild fn first (the first launch also starts the starter: seconds on a loaded machine)."""
     started = time.monotonic()
     deadline = started + timeout if all(r.ready for r in ranks) else None
     running = set(range(len(ranks)))
