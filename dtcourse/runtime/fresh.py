@@ -164,8 +164,9 @@ def start_rank(payload: str, rank: int, world_size: int, backend: str, store_pat
     """Have the starter fork rank ``rank``, writing to ``fds``; return its pid (not a child of this process)."""
     spec = [rank, world_size, backend, store_path, timeout, threads]
     try:
-        reply = _starter().ask({"start": spec, "payload": payload, "env": dict(os.environ), "cwd": os.getcwd()},
-                               fds)
+        modules = sorted(m for m in sys.modules if m == "dtcourse" or m.startswith("dtcourse."))
+        reply = _starter().ask({"start": spec, "payload": payload, "env": dict(os.environ), "cwd": os.getcwd(),
+                                "modules": modules}, fds)
     except Exception:
         global _STARTER
         _STARTER = None                   # a dead starter: the next launch starts another
@@ -200,6 +201,7 @@ def _starter_main(fd: int) -> None:
         os._exit(0)
     sock = socket.socket(fileno=fd)
     codes: dict[int, int] = {}
+    import torch._dynamo  # noqa: F401  (as launch's _warm_imports: else each rank's first optimizer imports it, 2.8 s)
 
     def reap(*_: Any) -> None:
         while True:
@@ -222,6 +224,7 @@ def _starter_main(fd: int) -> None:
             os._exit(0)
         request = json.loads(message)
         if "start" in request:
+            _import(request["modules"])   # the course's modules the parent has: once here, not in every rank
             pid = os.fork()
             if pid == 0:
                 _rank(sock, request, fds)
@@ -234,6 +237,17 @@ def _starter_main(fd: int) -> None:
                 reap()
                 time.sleep(0.01)
             sock.send(json.dumps({"code": codes.pop(pid, 70)}).encode())
+
+
+def _import(modules: list[str]) -> None:
+    """Import what is not imported yet; a module that fails to import is left to the rank that needs it."""
+    import importlib
+    for name in modules:
+        if name not in sys.modules:
+            try:
+                importlib.import_module(name)
+            except Exception:
+                pass
 
 
 def _rank(sock: socket.socket, request: dict, fds: list[int]) -> None:

@@ -136,8 +136,8 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float =
 
     ``backend`` is ``"auto"`` (nccl with one GPU per rank when there are two ranks or more and
     enough GPUs, else gloo), ``"gloo"`` or ``"nccl"``; inside ``fn``, ``dtcourse.device()`` is the
-    rank's device. Where a fork could not use the GPU, the ranks start as new interpreters
-    (``dtcourse.runtime.fresh``): slower to start, and ``fn`` must pickle.
+    rank's device. Where a fork could not use the GPU, a clean starter process forks the ranks
+    (``dtcourse.runtime.fresh``): the first such launch takes a second or two more, and ``fn`` must pickle.
     ``timeout`` (seconds) bounds the whole run: a rank that hangs, for example in a collective
     another rank skipped, makes ``launch`` raise ``LaunchTimeout`` (a ``TimeoutError``) with
     ``.stuck`` (the ranks still running) and ``.stacks`` (where each was). ``threads`` is the
