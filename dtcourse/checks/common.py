@@ -202,6 +202,28 @@ def _as_student(progress: str, call: Callable) -> object:
         raise
 
 
+@contextmanager
+def _noting_calls(methods: Iterable[str], note: Callable[[str, ProcessGroup, tuple], None]) -> Iterator[None]:
+    """Each of ``ProcessGroup``'s ``methods`` calls ``note(method, group, args)`` first, then runs as usual."""
+    saved = {}
+
+    def make(method: str, raw: object) -> Callable:
+        def call(pg, *args, **kwargs):
+            note(method, pg, args)
+            return raw.__get__(pg, ProcessGroup)(*args, **kwargs)
+        return call
+
+    for method in methods:
+        if method in ProcessGroup.__dict__:
+            saved[method] = ProcessGroup.__dict__[method]
+            setattr(ProcessGroup, method, make(method, saved[method]))
+    try:
+        yield
+    finally:
+        for method, raw in saved.items():
+            setattr(ProcessGroup, method, raw)
+
+
 # --------------------------------------------------------------------------- #
 # Groups side by side: a case, and this rank in it with every collective its code starts
 # --------------------------------------------------------------------------- #
@@ -259,24 +281,11 @@ class _GroupPlace:
     @contextmanager
     def recording(self) -> Iterator[None]:
         """Inside ``watching``: every collective and send of the process groups, logged by ``_call``."""
-        saved = {}
-
-        def make(method: str, raw: object) -> Callable:
-            def call(pg, *args, **kwargs):
-                if self.phase is not None:
-                    self.calls.append(self._call(method, pg, args))
-                return raw.__get__(pg, ProcessGroup)(*args, **kwargs)
-            return call
-
-        for method in (*COLLECTIVE_METHODS, "send"):
-            if method in ProcessGroup.__dict__:
-                saved[method] = ProcessGroup.__dict__[method]
-                setattr(ProcessGroup, method, make(method, saved[method]))
-        try:
+        def note(method: str, pg: ProcessGroup, args: tuple) -> None:
+            if self.phase is not None:
+                self.calls.append(self._call(method, pg, args))
+        with _noting_calls((*COLLECTIVE_METHODS, "send"), note):
             yield
-        finally:
-            for method, raw in saved.items():
-                setattr(ProcessGroup, method, raw)
 
     def group_hint(self) -> str:
         if any(c.on != "the group" for c in self.calls):

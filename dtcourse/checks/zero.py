@@ -38,9 +38,8 @@ from typing import Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch._C._distributed_c10d import ProcessGroup
 
-from dtcourse.checks.common import (_as_student, _check_names, _launch_check, _refuse_library_code,
+from dtcourse.checks.common import (_as_student, _check_names, _launch_check, _noting_calls, _refuse_library_code,
                                      _stop_at_first_failure)
 from dtcourse.checks.guard import _nbytes, watching
 
@@ -221,23 +220,9 @@ def _describe(method: str, args: tuple, world: int, phase: str) -> _Sent:
 @contextmanager
 def _recording(log: list[_Sent], phase: list[str], world: int) -> Iterator[None]:
     """Inside ``watching``: append a ``_Sent`` to ``log`` for every collective and send, in ``phase[0]``."""
-    saved = {}
-
-    def make(method: str, raw: object) -> Callable:
-        def call(self, *args, **kwargs):
-            log.append(_describe(method, args, world, phase[0]))
-            return raw.__get__(self, ProcessGroup)(*args, **kwargs)
-        return call
-
-    for method in (*_REDUCE_SCATTERS, *_ALL_GATHERS, *_ALL_REDUCES, *_OTHERS, "send"):
-        if method in ProcessGroup.__dict__:
-            saved[method] = ProcessGroup.__dict__[method]
-            setattr(ProcessGroup, method, make(method, saved[method]))
-    try:
+    methods = (*_REDUCE_SCATTERS, *_ALL_GATHERS, *_ALL_REDUCES, *_OTHERS, "send")
+    with _noting_calls(methods, lambda method, pg, args: log.append(_describe(method, args, world, phase[0]))):
         yield
-    finally:
-        for method, raw in saved.items():
-            setattr(ProcessGroup, method, raw)
 
 
 class _Optimizers:
