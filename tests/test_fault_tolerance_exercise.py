@@ -26,7 +26,7 @@ import pytest
 
 from dtcourse import checks
 from dtcourse.fault_tolerance import snapshot
-from exercise_harness import EXPECTED, assert_released, nbgrader_cells, solution_code, source_path
+from exercise_harness import EXPECTED, assert_released, compile_answers, solution_code
 
 NAME = "12_fault_tolerance_snapshot"
 BOTH = ("small", "large")
@@ -34,13 +34,7 @@ BOTH = ("small", "large")
 
 def _answer(**edits: list[tuple[str, str]]) -> tuple:
     """The solution's save and load with each ``(old, new)`` of ``edits[cell]`` replaced, compiled under this name."""
-    cells, answers = nbgrader_cells(source_path(NAME)), solution_code(NAME)
-    for cell, pairs in edits.items():
-        for old, new in pairs:
-            assert old in answers[cell], f"{old!r} is not in the solution's {cell} cell"
-            answers[cell] = answers[cell].replace(old, new)
-    namespace: dict = {"__name__": __name__}
-    exec(compile("\n\n".join([cells["setup"], answers["save"], answers["load"]]), __file__, "exec"), namespace)
+    namespace = compile_answers(NAME, ("save", "load"), edits, __file__, __name__)
     return namespace["save_snapshot"], namespace["load_snapshot"]
 
 
