@@ -124,7 +124,14 @@ def test_a_rank_that_raises_is_reported_with_its_traceback():
     assert "in fn" in info.value.remote_traceback
 
 
-def test_a_hang_raises_timeout_naming_the_stuck_ranks_and_where_they_were():
+@pytest.fixture(params=["forked", "starter"])
+def ranks_from(request, monkeypatch):
+    """Run the test with ranks forked by this process, and again forked by the starter (fresh.py)."""
+    monkeypatch.setenv("DTCOURSE_FRESH_RANKS", "1" if request.param == "starter" else "0")
+    return request.param
+
+
+def test_a_hang_raises_timeout_naming_the_stuck_ranks_and_where_they_were(ranks_from):
     def fn():
         if dist.get_rank() != 0:  # rank 0 skips the collective
             dist.barrier()
@@ -148,7 +155,7 @@ def test_a_hang_raises_timeout_naming_the_stuck_ranks_and_where_they_were():
     assert launch(lambda: dist.get_rank(), 2) == [0, 1]
 
 
-def test_processes_a_rank_started_are_ended_too():
+def test_processes_a_rank_started_are_ended_too(ranks_from):
     def fn():
         return subprocess.Popen(["sleep", "60"]).pid
 
@@ -172,7 +179,7 @@ def test_keyboard_interrupt_ends_every_rank():
         signal.signal(signal.SIGALRM, old)
 
 
-def test_a_rank_that_dies_is_reported():
+def test_a_rank_that_dies_is_reported(ranks_from):
     def fn():
         if dist.get_rank() == 1:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -455,9 +462,9 @@ def test_after_the_parent_asked_the_cuda_runtime_forked_cpu_ranks_still_step_ada
 
 def test_ranks_from_the_starter_report_like_forked_ones_and_leave_nothing_behind(monkeypatch, capsys):
     """Where a fork cannot compute, a clean starter process forks the ranks (fresh.py): it stays for the next
-    launch, which then starts as fast as a fork, and its ranks behave as forked ones do: results in rank order,
-    prefixed output, a rank's death with its signal, a hang stopped with the stuck ranks named, nothing left
-    running (the fixture looks at the starter's children too)."""
+    launch, which then starts as fast as a fork, and its ranks get this process's environment, working directory
+    and output. (Deaths, hangs and grandchildren: the tests with ``ranks_from``; the fixture looks at the
+    starter's children too.)"""
     from dtcourse.runtime import fresh
     monkeypatch.setenv("DTCOURSE_FRESH_RANKS", "1")
 
@@ -470,16 +477,3 @@ def test_ranks_from_the_starter_report_like_forked_ones_and_leave_nothing_behind
     start = time.monotonic()
     assert launch(hello, 2, "u")[1] == ("u", 1, "0", "-c")
     assert fresh._STARTER.proc.pid == starter and time.monotonic() - start < 2.0   # no new Python this time
-
-    def dies():
-        if dist.get_rank() == 1:
-            os.kill(os.getpid(), signal.SIGKILL)
-        time.sleep(30)
-    with pytest.raises(LaunchError, match="rank 1 was killed by signal 9"):
-        launch(dies, 2, timeout=20)
-
-    def one_skips():
-        if dist.get_rank() != 0:
-            dist.all_reduce(torch.ones(1))
-    with pytest.raises(LaunchTimeout, match=r"rank\(s\) \[1\] still running"):
-        launch(one_skips, 2, timeout=2)
