@@ -201,7 +201,8 @@ def _starter_main(fd: int) -> None:
         os._exit(0)
     sock = socket.socket(fileno=fd)
     codes: dict[int, int] = {}
-    import torch._dynamo  # noqa: F401  (as launch's _warm_imports: else each rank's first optimizer imports it, 2.8 s)
+    from dtcourse.runtime.launch import _warm_imports
+    _warm_imports()                       # once here, not in every rank's first optimizer step
 
     def reap(*_: Any) -> None:
         while True:

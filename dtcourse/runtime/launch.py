@@ -77,11 +77,7 @@ def init_from_env(backend: str = "auto") -> tuple[int, int]:
             f"init_from_env: environment variables {missing} are not set. Start the script with "
             "`torchrun --nproc-per-node N script.py`, or call dtcourse.launch(fn, N) from Python."
         )
-    # Imported before the group exists, not by the first optimizer step after it: on torch 2.13, importing
-    # torch._dynamo once a gloo group exists keeps that group alive past destroy_process_group(), and its worker
-    # threads, freeing a finished collective's tensors while Python shuts down, abort the process ("terminate
-    # called without an active exception", exit -6; 6 runs in 16 of a ZeRO script under torchrun, measured).
-    import torch._dynamo  # noqa: F401
+    _warm_imports()                                    # before the group exists: see there
 
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
     backend = choose_backend(local_world, backend)     # one GPU per rank of this node
@@ -121,11 +117,15 @@ def _check_inputs(fn: Any, world_size: Any, timeout: Any, threads: Any) -> None:
 
 
 def _warm_imports() -> None:
-    """Import once in the parent what every rank would otherwise import for itself.
+    """Import, before any process group exists, what the first optimizer step would import after it.
 
-    The first ``torch.optim`` optimizer a process builds imports ``torch._dynamo``:
-    2.8 s per rank on the 2-core machine, paid again in every launch. Importing
-    it here costs about 1 s, once per kernel, and forked ranks inherit it.
+    The first ``torch.optim`` optimizer a process builds imports ``torch._dynamo``: 2.8 s per rank on
+    the 2-core machine, paid again in every launch. Imported once here (about 1 s, in the parent, in
+    the ranks' starter, or in a torchrun worker before ``init_from_env`` makes its group), forked
+    ranks inherit it. And on torch 2.13, importing it once a gloo group exists keeps that group alive
+    past ``destroy_process_group()``: its worker threads, freeing a finished collective's tensors while
+    Python shuts down, abort the process ("terminate called without an active exception", exit -6; 10
+    runs in 16 of a ZeRO script under torchrun, measured).
     """
     import torch._dynamo  # noqa: F401
 
