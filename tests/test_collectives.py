@@ -6,6 +6,7 @@ Many cases run inside one launch per world size, so the suite stays fast on 2 co
 
 import math
 import random
+import threading
 from functools import partial
 
 import pytest
@@ -18,6 +19,8 @@ from dtcourse.collectives import (
     ALGORITHMS, ByteCounter, algbw, analytic_bytes, busbw, chunk_sizes, fit_alpha_beta, predict_ring_step,
     predict_time, ring_all_gather, ring_all_reduce, ring_reduce_scatter,
 )
+from dtcourse.collectives.messages import scratch, wait_all
+from dtcourse.collectives.ring import reduce_scatter_steps
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 # The reference sums in a different order than our algorithms, so results may
@@ -114,6 +117,42 @@ def _ring_rs_ag_cases(chunk_numels):
             dist.all_gather_into_tensor(ref_gathered, mine)
             out[k, dtype] = (mine, ref_out.to(dtype), gathered, ref_gathered)
     return out
+
+
+def _receive_buffer_and_pending_sends(numel):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ring_all_reduce(torch.ones(numel))
+    kept = scratch(1, torch.float32, "cpu").data_ptr()
+    ring_all_reduce(torch.ones(numel))
+    chunks = list(torch.ones(numel).split(chunk_sizes(numel, world)))
+    pending = reduce_scatter_steps(chunks, rank, world, None, None)
+    waiting = len(pending)
+    wait_all(pending)
+    return kept == scratch(1, torch.float32, "cpu").data_ptr(), waiting, chunks[rank].tolist()
+
+
+@pytest.mark.parametrize("world_size", [3, 5])
+def test_the_plain_ring_keeps_its_receive_buffer_and_leaves_its_sends_to_the_end(world_size):
+    # numel 11 on 3 or 5 ranks: uneven chunks; one receive buffer serves every call, and every step's send
+    # is handed back unwaited (a step waits only for the sum it adds), for the caller to wait once
+    for same_buffer, waiting, mine in launch(_receive_buffer_and_pending_sends, world_size, 11):
+        assert same_buffer
+        assert waiting == world_size - 1
+        assert mine and all(v == world_size for v in mine)
+
+
+def test_scratch_is_kept_per_dtype_device_and_thread_and_grows_when_asked_for_more():
+    first = scratch(10, torch.float32, "cpu")
+    assert scratch(6, torch.float32, "cpu").data_ptr() == first.data_ptr()
+    assert scratch(6, torch.float32, "cpu").numel() == 6
+    assert scratch(10, torch.float64, "cpu").data_ptr() != first.data_ptr()
+    grown = scratch(10_000, torch.float32, "cpu")
+    assert grown.numel() == 10_000 and scratch(10, torch.float32, "cpu").data_ptr() == grown.data_ptr()
+    other_thread = []
+    worker = threading.Thread(target=lambda: other_thread.append(scratch(10, torch.float32, "cpu").data_ptr()))
+    worker.start()
+    worker.join()
+    assert other_thread[0] != grown.data_ptr()
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 5])

@@ -12,13 +12,14 @@ lesson 01 counts every byte a rank sends::
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-__all__ = ["Message", "ByteCounter", "send", "receive", "post", "exchange"]
+__all__ = ["Message", "ByteCounter", "send", "receive", "post", "exchange", "wait_all", "scratch"]
 
 
 @dataclass(frozen=True)
@@ -103,8 +104,30 @@ def _post_batch(sends, recvs, group, counter, phase, step) -> tuple[list, list]:
 def exchange(sends, recvs, group, counter: ByteCounter | None, phase: str, step: int) -> None:
     """One round: post every send and receive (``post``), then wait until all of them are done."""
     recv_requests, send_requests = post(sends, recvs, group, counter, phase, step)
-    for request in recv_requests + send_requests:
+    wait_all(recv_requests + send_requests)
+
+
+def wait_all(requests) -> None:
+    """Wait for every request: a receive's tensor holds its message after this, a send's may be reused."""
+    for request in requests:
         request.wait()
+
+
+_SCRATCH: dict = {}
+
+
+def scratch(numel: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """A receive buffer of at least ``numel`` elements, kept between calls, one per dtype and device.
+
+    Fresh memory for every call costs a page fault per 4 KB page when it is first written
+    (BENCHMARKS.md measures what that did to the ring); NCCL likewise keeps its buffers. Each
+    thread gets its own, and one collective must finish before the next on the thread starts.
+    """
+    key = (dtype, torch.device(device), threading.get_ident())
+    buffer = _SCRATCH.get(key)
+    if buffer is None or buffer.numel() < numel:
+        buffer = _SCRATCH[key] = torch.empty(numel, dtype=dtype, device=device)
+    return buffer[:numel]
 
 
 def check_op(op) -> None:

@@ -27,7 +27,7 @@ from collections import deque
 
 import torch
 
-from dtcourse.collectives.messages import ByteCounter, receive, send
+from dtcourse.collectives.messages import ByteCounter, receive, scratch, send
 from dtcourse.runtime.refuse import reference
 
 __all__ = ["IN_FLIGHT", "AHEAD", "sliced", "pipelined_reduce_scatter_steps", "pipelined_all_gather_steps"]
@@ -50,8 +50,8 @@ def pipelined_reduce_scatter_steps(chunks: list[torch.Tensor], rank: int, world:
     pieces = [sliced(c, slices) for c in chunks]            # pieces[c][j]: slice j of chunk c, a view
     count = (world - 1) * slices
     largest = max(p.numel() for row in pieces for p in row)
-    buffers = [torch.empty(largest, dtype=chunks[0].dtype, device=chunks[0].device)
-               for _ in range(IN_FLIGHT + AHEAD)]           # (k,) each: enough for the slices on the wire
+    pool = scratch((IN_FLIGHT + AHEAD) * largest, chunks[0].dtype, chunks[0].device)   # kept between calls
+    buffers = list(pool.split(largest))                     # (largest,) each: enough for the slices on the wire
     arrivals = {}
 
     def receive_ahead(t: int) -> None:   # into the buffer that transfer t - IN_FLIGHT - AHEAD has freed

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from dtcourse.collectives.messages import ByteCounter, check_op, exchange, finish
+from dtcourse.collectives.messages import ByteCounter, check_op, finish, post, scratch, wait_all
 from dtcourse.collectives.pipelined import IN_FLIGHT, pipelined_all_gather_steps, pipelined_reduce_scatter_steps
 from dtcourse.runtime.refuse import reference
 
@@ -46,30 +46,45 @@ def chunk_sizes(numel: int, world_size: int) -> list[int]:
 
 @reference("collectives", "01")
 def reduce_scatter_steps(chunks: list[torch.Tensor], rank: int, world: int, group,
-                         counter: ByteCounter | None) -> None:
-    """After N-1 steps, ``chunks[rank]`` holds the sum of every rank's chunk ``rank``."""
+                         counter: ByteCounter | None) -> list:
+    """After N-1 steps, ``chunks[rank]`` holds the sum of every rank's chunk ``rank``.
+
+    Returns the sends still under way; the caller waits for them once, at the end (``wait_all``).
+    """
     right, left = (rank + 1) % world, (rank - 1) % world
-    buffer = torch.empty(max(c.numel() for c in chunks), dtype=chunks[0].dtype, device=chunks[0].device)
+    incoming_buffer = scratch(max(c.numel() for c in chunks), chunks[0].dtype, chunks[0].device)
+    departures = []
     for step in range(world - 1):
         send_c = (rank - step - 1) % world   # the chunk my right neighbour adds into next
         recv_c = (rank - step - 2) % world   # the chunk I add my left neighbour's partial sum into
-        incoming = buffer[: chunks[recv_c].numel()]       # one receive buffer, reused by every step
+        incoming = incoming_buffer[: chunks[recv_c].numel()]   # one receive buffer, reused by every step
         # sends |chunk| bytes right, receives |chunk| from the left: (N-1)/N * S per rank in all
-        exchange([(chunks[send_c], right, send_c)], [(incoming, left)], group, counter, "reduce-scatter", step)
+        arrivals, sends = post([(chunks[send_c], right, send_c)], [(incoming, left)], group, counter,
+                               "reduce-scatter", step)
+        wait_all(arrivals)                   # the next step needs this sum, not the end of my own send
         chunks[recv_c].add_(incoming)
+        departures += sends
+    return departures
 
 
 @reference("collectives", "01")
 def all_gather_steps(chunks: list[torch.Tensor], rank: int, world: int, group,
-                     counter: ByteCounter | None, first_step: int = 0) -> None:
-    """Starting with ``chunks[rank]`` complete, pass chunks around until every rank has all N."""
+                     counter: ByteCounter | None, first_step: int = 0) -> list:
+    """Starting with ``chunks[rank]`` complete, pass chunks around until every rank has all N.
+
+    Returns the sends still under way, like ``reduce_scatter_steps``.
+    """
     right, left = (rank + 1) % world, (rank - 1) % world
+    departures = []
     for step in range(world - 1):
         send_c = (rank - step) % world
         recv_c = (rank - step - 1) % world
         # received straight into its place; sends (N-1)/N * S per rank in all, like the reduce-scatter
-        exchange([(chunks[send_c], right, send_c)], [(chunks[recv_c], left)], group, counter,
-                 "all-gather", first_step + step)
+        arrivals, sends = post([(chunks[send_c], right, send_c)], [(chunks[recv_c], left)], group, counter,
+                               "all-gather", first_step + step)
+        wait_all(arrivals)
+        departures += sends
+    return departures
 
 
 @reference("collectives", "01")
@@ -88,7 +103,7 @@ def ring_reduce_scatter(output: torch.Tensor, input_tensor: torch.Tensor, op=Red
     work = input_tensor.detach().reshape(-1).clone()           # (N*k,) the input is left untouched
     chunks = list(work.chunk(world)) if world > 1 else [work]
     if slices == 1:
-        reduce_scatter_steps(chunks, rank, world, group, counter)
+        wait_all(reduce_scatter_steps(chunks, rank, world, group, counter))
     else:
         pipelined_reduce_scatter_steps(chunks, rank, world, group, counter, slices)
     finish(chunks[rank], op, world)
@@ -108,7 +123,7 @@ def ring_all_gather(output: torch.Tensor, input_tensor: torch.Tensor, group=None
     flat = output.view(-1)                               # (N*k,) needs a contiguous output
     chunks = list(flat.chunk(world)) if world > 1 else [flat]
     chunks[rank].copy_(input_tensor.reshape(-1))
-    all_gather_steps(chunks, rank, world, group, counter)
+    wait_all(all_gather_steps(chunks, rank, world, group, counter))
 
 
 @reference("collectives", "01")
@@ -125,9 +140,12 @@ def ring_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None,
     else:                 # k slices per chunk, streamed across the steps (pipelined.py)
         reduce_scatter = partial(pipelined_reduce_scatter_steps, slices=slices)
         all_gather = partial(pipelined_all_gather_steps, slices=slices)
-    reduce_scatter(chunks, rank, world, group, counter)
+    departures = reduce_scatter(chunks, rank, world, group, counter) or []
     finish(chunks[rank], op, world)   # each chunk divided once, by its owner: bit-identical everywhere
-    all_gather(chunks, rank, world, group, counter, first_step=world - 1)
+    # a chunk sent in the reduce-scatter is received into again below, but only after its owner summed it,
+    # which needed every byte of my send: so the sends are waited for once, here at the end
+    departures += all_gather(chunks, rank, world, group, counter, first_step=world - 1) or []
+    wait_all(departures)
     if flat.data_ptr() != tensor.data_ptr():
         tensor.copy_(flat.view_as(tensor))
 
