@@ -89,6 +89,7 @@ def collectives_figure(runs: dict[str, Run], n_ranks: int, columns: int = 2):
 # Measured time against the alpha-beta-gamma model
 # --------------------------------------------------------------------------- #
 BACKEND = "backend"   # the process group's own collective (gloo here, nccl on GPUs)
+AGAIN = "backend again"   # the same collective timed a second time in each round: the noise floor of a ratio
 SLICES = 2            # the pipelined ring's slices per chunk, as "ring/2" (gloo's ring uses at least 2)
 DEFAULT_SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 
@@ -130,7 +131,8 @@ def _time_rank(collective: str, sizes: list[int], algorithms: list[str], iterati
         big = torch.ones(nbytes // 4)                       # (S/4,) float32: the all-reduced tensor, RS input
         small = torch.ones(big.numel() // world)            # (S/4N,): RS output, AG input
         big = big[: small.numel() * world]                  # RS and AG need N | numel
-        runs = {name: _BACKEND[collective] if name == BACKEND else _ours(collective, name) for name in algorithms}
+        runs = {name: _BACKEND[collective] if name in (BACKEND, AGAIN) else _ours(collective, name)
+                for name in algorithms}
         times: dict[str, list[float]] = {name: [] for name in algorithms}
         for i in range((iterations or _iterations(nbytes)) + 2):          # the first 2 are warm-up
             for name in turns(list(runs), i):
@@ -157,7 +159,8 @@ def measure(world_size: int, sizes: list[int] | None = None,
     """Time ``collective`` at one world size; one dict per (algorithm, size).
 
     ``algorithms`` for all-reduce: ``naive``, ``tree``, ``ring``, ``ring/k`` (k slices per chunk) and
-    ``backend``; for ``reduce_scatter`` and ``all_gather``: ``ring`` and ``backend``.
+    ``backend``; for ``reduce_scatter`` and ``all_gather``: ``ring`` and ``backend``. ``AGAIN`` times the
+    backend a second time in each round, a control: its ratio to ``backend`` would be 1.0 without noise.
     """
     return launch(_time_rank, world_size, collective, list(sizes or DEFAULT_SIZES), list(algorithms), iterations,
                   timeout=timeout)[0]
