@@ -10,12 +10,16 @@ export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
 setup: $(STAMP)
 
+# setuptools (84.2 in pip's isolated build environment here) warns on every editable install of a flat
+# layout that a folder named like the package could shadow it; here that folder is the package itself.
+QUIET_EDITABLE := ignore::UserWarning:setuptools.command.editable_wheel
+
 # Re-installs only when the pins change. One thread per process keeps the
 # 2-core CI machine from oversubscribing while several ranks run.
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]'
+	PYTHONWARNINGS=$(QUIET_EDITABLE) $(PY) -m pip install --quiet -e '.[dev]'
 	@touch $(STAMP)
 
 # JupyterLab serves the whole course (lessons/, exercises/, solutions/) and opens the first
