@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -83,14 +84,33 @@ def test_complete_answer_gets_full_marks(tmp_path, name):
 # --------------------------------------------------------------------------- #
 # (e) the untouched exercise: zero, with the reason, through the command line
 # --------------------------------------------------------------------------- #
-@pytest.mark.parametrize("name", NAMES)
-def test_untouched_exercise_scores_zero_with_a_clear_report(tmp_path, name):
-    expected = EXPECTED[name]
-    copy = tmp_path / "somewhere" / "my_copy.ipynb"  # renamed and moved: found through --source
-    copy.parent.mkdir()
+def _grade_untouched(folder: Path, name: str) -> subprocess.CompletedProcess:
+    copy = folder / "somewhere" / "my_copy.ipynb"    # renamed and moved: found through --source
+    copy.parent.mkdir(parents=True)
     copy.write_bytes(exercise_path(name).read_bytes())
-    done = subprocess.run([sys.executable, "-m", "dtcourse.grade", str(copy), "--source", str(source_path(name))],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    return subprocess.run([sys.executable, "-m", "dtcourse.grade", str(copy), "--source", str(source_path(name))],
+                          capture_output=True, text=True, timeout=300, cwd=folder)
+
+
+@pytest.fixture(scope="module")
+def untouched_gradings(request, tmp_path_factory) -> dict:
+    """The command line's reports on the untouched exercises this session selected, two gradings at a time.
+
+    An untouched exercise fails at once, so a grading is mostly two interpreters starting (the grader and
+    its kernel); two in parallel took half the time of one after the other on the 2-core machine.
+    """
+    selected = [item.callspec.params["name"] for item in request.session.items
+                if getattr(item, "originalname", "") == "test_untouched_exercise_scores_zero_with_a_clear_report"]
+    root = tmp_path_factory.mktemp("untouched")
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {name: pool.submit(_grade_untouched, root / name, name) for name in selected}
+    return {name: future.result() for name, future in futures.items()}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_untouched_exercise_scores_zero_with_a_clear_report(untouched_gradings, name):
+    expected = EXPECTED[name]
+    done = untouched_gradings[name]
     assert done.returncode == 1, done.stdout + done.stderr
     assert f"Total: 0 / {expected.points:g}" in done.stdout
     fails = [line for line in done.stdout.splitlines() if line.strip().startswith("FAIL")]
