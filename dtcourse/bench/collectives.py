@@ -59,7 +59,8 @@ def main(argv: list[str] | None = None) -> None:
     print("\n" + table(rows))
     print(f"\nheadline, N = 4, {args.headline_repeats} paired iterations (busbw ratio against {BACKEND}):")
     for nbytes in (16 << 20, 64 << 20):
-        ratios = "  ".join(f"{a}: {paired_ratio(headline, a, 'all_reduce', 4, nbytes):.2f}x" for a in ("ring", RING, AGAIN))
+        ratios = "  ".join(f"{a}: {paired_ratio(headline, a, 'all_reduce', 4, nbytes):.2f}x"
+                           for a in ("ring", RING, AGAIN))
         print(f"  {nbytes >> 20:>3} MB  {ratios}")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     plot(rows, models).savefig(args.out, dpi=100)

@@ -34,7 +34,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from dtcourse.bench import bars, finish, paired, ratio_cell, step_times, text_table, times_cell, world_panels
+from dtcourse.bench import bars, finish, paired, ratio_cell, step_times, text_table, times_cell, world_panels, turns
 from dtcourse.models import GPT, GPTConfig, lm_loss, token_batch
 from dtcourse.models.moe import capacity
 from dtcourse.moe import AllToAllLog, ExpertParallel
@@ -86,7 +86,7 @@ def _time_rank(variants: list[str], config: GPTConfig, batch_size: int, seq_len:
     times: dict[str, list[float]] = {v: [] for v in variants}
     sent: dict[str, int | None] = {v: None for v in variants}
     for i in range(warmup + steps):
-        order = variants[i % len(variants):] + variants[:i % len(variants)]
+        order = turns(variants, i)                          # who goes first rotates
         elapsed = torch.zeros(len(variants), dtype=torch.float64)
         for v in order:
             step, log = runs[v]

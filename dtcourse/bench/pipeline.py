@@ -43,7 +43,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from dtcourse.bench import bars, finish, paired_ratio, ratio_cell, step_times, text_table, world_panels
+from dtcourse.bench import bars, finish, paired_ratio, ratio_cell, step_times, text_table, world_panels, turns
 from dtcourse.models import GPT, GPTConfig, lm_loss, token_batch
 from dtcourse.pipeline import schedules
 from dtcourse.pipeline.execute import PipelineExecutor, run_schedule
@@ -127,7 +127,7 @@ def _time_rank(names: list[str], config: GPTConfig, batch_size: int, seq_len: in
     times: dict[tuple[str, str], list[float]] = {var: [] for var in variants}
     steps_of: dict[str, list[dict]] = {name: [] for name in names}     # per timed step: every rank's summary
     for i in range(warmup + steps):
-        order = variants[i % len(variants):] + variants[:i % len(variants)]   # who goes first rotates
+        order = turns(variants, i)                          # who goes first rotates
         elapsed = torch.zeros(len(variants), dtype=torch.float64)
         for var in order:
             step, _ = runs[var]

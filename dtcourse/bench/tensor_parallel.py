@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from dtcourse.bench import (bars, finish, paired_ratio, ratio_cell, step_times, text_table, times_cell,
-                            world_panels)
+                            world_panels, turns)
 from dtcourse.models import GPT, GPTConfig, lm_loss, token_batch
 from dtcourse.runtime.device import device
 from dtcourse.runtime.launch import launch
@@ -103,7 +103,7 @@ def _time_rank(config: GPTConfig, batch_size: int, seq_len: int, warmup: int, st
     runs = {var: BUILDERS[var[1]](GPT(config, seed=0).to(dev), var[0] == "TP+SP") for var in variants}
     times: dict[tuple[str, str], list[float]] = {var: [] for var in variants}
     for i in range(warmup + steps):
-        order = variants[i % len(variants):] + variants[:i % len(variants)]   # who goes first rotates
+        order = turns(variants, i)                          # who goes first rotates
         elapsed = torch.zeros(len(variants), dtype=torch.float64, device=dev)
         for var in order:
             step, _ = runs[var]

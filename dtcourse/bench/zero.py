@@ -47,7 +47,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from dtcourse.bench import bars, find, finish, paired, ratio_cell, step_times, text_table, times_cell, world_panels
+from dtcourse.bench import (bars, find, finish, paired, ratio_cell, step_times, text_table, times_cell, turns,
+                            world_panels)
 from dtcourse.models import DDP_GPT, GPT, GPTConfig, lm_loss, token_batch
 from dtcourse.runtime.launch import launch
 
@@ -124,7 +125,7 @@ def _time_rank(variants: list[str], config: GPTConfig, batch_size: int, seq_len:
     times: dict[str, list[float]] = {v: [] for v in variants}
     sent: dict[str, tuple[int, int]] = {}
     for i in range(warmup + steps):
-        order = variants[i % len(variants):] + variants[:i % len(variants)]   # who goes first rotates
+        order = turns(variants, i)                          # who goes first rotates
         elapsed = torch.zeros(len(variants), dtype=torch.float64)
         for v in order:
             step, comm = runs[v]

@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from dtcourse.collectives import (ALGORITHMS, ByteCounter, Message, algbw, busbw, chunk_sizes, fit_alpha_beta,
                                   predict_time, ring_all_gather, ring_all_reduce, ring_reduce_scatter)
+from dtcourse.bench import turns
 from dtcourse.collectives.messages import exchange
 from dtcourse.lab.problems import Answer, pretty
 from dtcourse.lab.widgets import COLUMN_IN, FigureView, figure_widget
@@ -114,15 +115,6 @@ _BACKEND = {"all_reduce": lambda big, small: dist.all_reduce(big),
             "all_gather": lambda big, small: all_gather_single(big, small)}
 
 
-def turns(names: list[str], iteration: int) -> list[str]:
-    """The order of iteration ``iteration``: each starts one name later, so that over len(names) iterations
-    every name runs in every place once. Place matters here: gloo's all-reduce, timed three times in a row
-    on 4 ranks at 16 MB, was 1-8% slower in the first place than in the later two (three runs, paired
-    medians of 21), and the ring always ran first before this order rotated."""
-    k = iteration % len(names)
-    return names[k:] + names[:k]
-
-
 def _time_rank(collective: str, sizes: list[int], algorithms: list[str], iterations: int | None) -> list[dict]:
     """Inside every rank: the algorithms take turns at each size, so their times are paired, in a rotating order."""
     world = dist.get_world_size()
@@ -135,7 +127,7 @@ def _time_rank(collective: str, sizes: list[int], algorithms: list[str], iterati
                 for name in algorithms}
         times: dict[str, list[float]] = {name: [] for name in algorithms}
         for i in range((iterations or _iterations(nbytes)) + 2):          # the first 2 are warm-up
-            for name in turns(list(runs), i):
+            for name in turns(list(runs), i):                 # the first place rotates
                 run = runs[name]
                 big.fill_(1.0)                                            # repeated sums would overflow
                 dist.barrier()
