@@ -7,8 +7,8 @@
 Model: ``dtcourse.models.DDP_GPT`` (867k parameters, 3.3 MiB of float32 gradients); each
 rank trains on its own 4 sequences of 32 tokens with AdamW. A step is zero_grad, forward,
 loss, backward and the optimizer step. Per world size, one launch builds every variant (its
-own model copy and optimizer) and the variants take turns step by step, so a burst of load
-from elsewhere on the machine lands on all of them alike. A step lasts as long as its slowest
+own model copy and optimizer) and the variants take turns step by step, starting one place later
+each round, so a burst of load from elsewhere on the machine lands on all of them alike. A step lasts as long as its slowest
 rank (an all-reduce MAX of the ranks' times); tables show the median over the timed steps after
 warm-up, with the interquartile range, and the ratio to torch DDP at the same ``bucket_cap_mb``:
 of the medians, and "paired", the median of the step-by-step ratios between steps of one round,
@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from dtcourse.bench import (find, finish, paired_ratio, ratio_cell, step_times, text_table, times_cell,
+from dtcourse.bench import (find, finish, paired_ratio, ratio_cell, step_times, text_table, times_cell, turns,
                             world_panels)
 from dtcourse.data_parallel import DistributedDataParallel
 from dtcourse.runtime.launch import launch
@@ -70,7 +70,8 @@ def _time_rank(variants: list[Variant], config: GPTConfig, batch_size: int, seq_
         runs[strategy, cap] = (_wrap(strategy, cap, model), torch.optim.AdamW(model.parameters(), lr=1e-3))
     times: dict[Variant, list[float]] = {v: [] for v in variants}
     for i in range(warmup + steps):
-        for variant, (wrapped, opt) in runs.items():
+        for variant in turns(list(runs), i):                 # who goes first rotates
+            wrapped, opt = runs[variant]
             dist.barrier()                                   # every rank starts the step together
             start = time.perf_counter()
             opt.zero_grad()
