@@ -8,11 +8,11 @@ Model: ``dtcourse.models.DDP_GPT`` (867k parameters, 3.3 MiB of float32 gradient
 rank trains on its own 4 sequences of 32 tokens with AdamW. A step is zero_grad, forward,
 loss, backward and the optimizer step. Per world size, one launch builds every variant (its
 own model copy and optimizer) and the variants take turns step by step, starting one place later
-each round, so a burst of load from elsewhere on the machine lands on all of them alike. A step lasts as long as its slowest
-rank (an all-reduce MAX of the ranks' times); tables show the median over the timed steps after
-warm-up, with the interquartile range, and the ratio to torch DDP at the same ``bucket_cap_mb``:
-of the medians, and "paired", the median of the step-by-step ratios between steps of one round,
-which a slow drift in the machine's load moves less.
+each round, so a burst of load from elsewhere on the machine lands on all of them alike. A step
+lasts as long as its slowest rank (an all-reduce MAX of the ranks' times); tables show the median
+over the timed steps after warm-up, with the interquartile range, and the ratio to torch DDP at the
+same ``bucket_cap_mb``: of the medians, and "paired", the median of the step-by-step ratios between
+steps of one round, which a slow drift in the machine's load moves less.
 
 Variants: ``per_parameter``, ``bucketed`` and ``overlapped`` are
 ``dtcourse.data_parallel.DistributedDataParallel`` with ``comm="backend"`` (gloo's all-reduce);

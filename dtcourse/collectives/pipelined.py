@@ -44,8 +44,12 @@ def sliced(tensor: torch.Tensor, slices: int) -> list[torch.Tensor]:
 
 @reference("collectives", "01")
 def pipelined_reduce_scatter_steps(chunks: list[torch.Tensor], rank: int, world: int, group,
-                                   counter: ByteCounter | None, slices: int) -> None:
-    """``ring.reduce_scatter_steps`` as (N-1)·k slice transfers; transfer t is slice t % k of step t // k."""
+                                   counter: ByteCounter | None, slices: int) -> list:
+    """``ring.reduce_scatter_steps`` as (N-1)·k slice transfers; transfer t is slice t % k of step t // k.
+
+    Returns the sends still under way, as the plain steps do: none here, each was waited for as its slice
+    landed (``IN_FLIGHT`` at most at a time).
+    """
     right, left = (rank + 1) % world, (rank - 1) % world
     pieces = [sliced(c, slices) for c in chunks]            # pieces[c][j]: slice j of chunk c, a view
     count = (world - 1) * slices
@@ -79,12 +83,14 @@ def pipelined_reduce_scatter_steps(chunks: list[torch.Tensor], rank: int, world:
         in_flight.append((t, send(pieces[send_c][j], right, group, counter, "reduce-scatter", step, send_c, j)))
     while in_flight:
         land(*in_flight.popleft())
+    return []
 
 
 @reference("collectives", "01")
 def pipelined_all_gather_steps(chunks: list[torch.Tensor], rank: int, world: int, group,
-                               counter: ByteCounter | None, slices: int, first_step: int = 0) -> None:
-    """``ring.all_gather_steps`` as (N-1)·k slice transfers, each slice passed on soon after it lands."""
+                               counter: ByteCounter | None, slices: int, first_step: int = 0) -> list:
+    """``ring.all_gather_steps`` as (N-1)·k slice transfers, each slice passed on soon after it lands; returns
+    the sends still under way (none)."""
     right, left = (rank + 1) % world, (rank - 1) % world
     pieces = [sliced(c, slices) for c in chunks]
     count = (world - 1) * slices
@@ -106,3 +112,4 @@ def pipelined_all_gather_steps(chunks: list[torch.Tensor], rank: int, world: int
     for done, departure in in_flight:
         arrivals[done].wait()
         departure.wait()
+    return []

@@ -102,10 +102,8 @@ def ring_reduce_scatter(output: torch.Tensor, input_tensor: torch.Tensor, op=Red
         raise TypeError(f"ring_reduce_scatter: output dtype {output.dtype} != input dtype {input_tensor.dtype}")
     work = input_tensor.detach().reshape(-1).clone()           # (N*k,) the input is left untouched
     chunks = list(work.chunk(world)) if world > 1 else [work]
-    if slices == 1:
-        wait_all(reduce_scatter_steps(chunks, rank, world, group, counter))
-    else:
-        pipelined_reduce_scatter_steps(chunks, rank, world, group, counter, slices)
+    reduce_scatter, _ = _steps(slices)
+    wait_all(reduce_scatter(chunks, rank, world, group, counter))
     finish(chunks[rank], op, world)
     output.copy_(chunks[rank].view_as(output))
 
@@ -135,19 +133,24 @@ def ring_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None,
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
     chunks = list(flat.split(chunk_sizes(flat.numel(), world)))    # N views into the tensor itself
-    if slices == 1:       # one message per step: the algorithm as the lesson draws it
-        reduce_scatter, all_gather = reduce_scatter_steps, all_gather_steps
-    else:                 # k slices per chunk, streamed across the steps (pipelined.py)
-        reduce_scatter = partial(pipelined_reduce_scatter_steps, slices=slices)
-        all_gather = partial(pipelined_all_gather_steps, slices=slices)
-    departures = reduce_scatter(chunks, rank, world, group, counter) or []
+    reduce_scatter, all_gather = _steps(slices)    # slices=1: one message per step, as the lesson draws it
+    departures = reduce_scatter(chunks, rank, world, group, counter)
     finish(chunks[rank], op, world)   # each chunk divided once, by its owner: bit-identical everywhere
     # a chunk sent in the reduce-scatter is received into again below, but only after its owner summed it,
     # which needed every byte of my send: so the sends are waited for once, here at the end
-    departures += all_gather(chunks, rank, world, group, counter, first_step=world - 1) or []
+    departures += all_gather(chunks, rank, world, group, counter, first_step=world - 1)
     wait_all(departures)
     if flat.data_ptr() != tensor.data_ptr():
         tensor.copy_(flat.view_as(tensor))
+
+
+def _steps(slices: int) -> tuple:
+    """The reduce-scatter and all-gather steps: one message per step (the algorithm as the lesson draws it),
+    or k slices per chunk streamed across the steps (pipelined.py). Both return the sends still under way."""
+    if slices == 1:
+        return reduce_scatter_steps, all_gather_steps
+    return (partial(pipelined_reduce_scatter_steps, slices=slices),
+            partial(pipelined_all_gather_steps, slices=slices))
 
 
 def _check_slices(slices: int, group) -> None:

@@ -124,6 +124,7 @@ class _Starter:
                                      stdin=subprocess.DEVNULL)
         theirs.close()
         self.sock = ours
+        self.owner = os.getpid()          # a forked child of this process must not share its socket
         self.sock.settimeout(300)        # the first reply waits for the starter to import torch
 
     def ask(self, request: dict, fds: list[int] = ()) -> dict:
@@ -152,9 +153,8 @@ _STARTER: _Starter | None = None
 
 def _starter() -> _Starter:
     global _STARTER
-    if _STARTER is None or _STARTER.proc.poll() is not None or _STARTER.pid_owner != os.getpid():
+    if _STARTER is None or _STARTER.proc.poll() is not None or _STARTER.owner != os.getpid():
         _STARTER = _Starter()
-        _STARTER.pid_owner = os.getpid()   # a forked child of this process must not share its socket
         atexit.register(_STARTER.close)
     return _STARTER
 
@@ -180,8 +180,8 @@ def ended(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return True
-    except PermissionError:
-        return False
+    except PermissionError:                # alive, though not ours to signal
+        pass
     return False
 
 
