@@ -19,7 +19,7 @@ from dtcourse.collectives import (
     ALGORITHMS, ByteCounter, algbw, analytic_bytes, busbw, chunk_sizes, fit_alpha_beta, predict_ring_step,
     predict_time, ring_all_gather, ring_all_reduce, ring_reduce_scatter,
 )
-from dtcourse.collectives.messages import scratch, wait_all
+from dtcourse.collectives.messages import ALL_GATHER_TAG, scratch, wait_all
 from dtcourse.collectives.ring import reduce_scatter_steps
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
@@ -139,6 +139,46 @@ def test_the_plain_ring_keeps_its_receive_buffer_and_leaves_its_sends_to_the_end
         assert same_buffer
         assert waiting == world_size - 1
         assert mine and all(v == world_size for v in mine)
+
+
+def _posts(slices, numel):
+    """The order in which one rank posts its messages in a ring all-reduce, then in a ring all-gather:
+    ("send" or "recv", tag) for each isend and irecv, as torch.distributed sees them."""
+    world, posted = dist.get_world_size(), []
+    real = {"send": dist.isend, "recv": dist.irecv}
+
+    def recording(kind):
+        def post(tensor, *args, tag=0, **kwargs):
+            posted.append((kind, tag))
+            return real[kind](tensor, *args, tag=tag, **kwargs)
+        return post
+
+    dist.isend, dist.irecv = recording("send"), recording("recv")
+    try:
+        x = torch.arange(float(numel)) + dist.get_rank()
+        ring_all_reduce(x, slices=slices)
+        all_reduce_posts, posted = posted, []
+        ring_all_gather(torch.empty(world * 7), torch.ones(7))
+    finally:
+        dist.isend, dist.irecv = real["send"], real["recv"]
+    expected = torch.arange(float(numel)) * world + world * (world - 1) / 2
+    return all_reduce_posts, posted, torch.equal(x, expected)
+
+
+@pytest.mark.parametrize("world_size,slices", [(3, 1), (3, 2), (5, 1)])
+def test_the_all_gather_receives_are_posted_before_the_reduce_scatter_starts(world_size, slices):
+    # gloo sends a message only once its receiver has posted the receive: posted first, under a tag of their own,
+    # the all-gather's receives never keep a neighbour waiting. 23 elements: uneven chunks, every one non-empty
+    for all_reduce_posts, all_gather_posts, correct in launch(_posts, world_size, slices, 23):
+        assert correct
+        early = (world_size - 1) * slices
+        assert all_reduce_posts[:early] == [("recv", ALL_GATHER_TAG)] * early
+        sends = [tag for kind, tag in all_reduce_posts if kind == "send"]
+        assert sends == [0] * early + [ALL_GATHER_TAG] * early    # reduce-scatter first, then the all-gather
+        assert sum(1 for kind, tag in all_reduce_posts if kind == "recv" and tag == 0) == early
+        # alone, the all-gather posts every receive before its first send too
+        steps = world_size - 1
+        assert all_gather_posts == [("recv", ALL_GATHER_TAG)] * steps + [("send", ALL_GATHER_TAG)] * steps
 
 
 def test_scratch_is_kept_per_dtype_device_and_thread_and_grows_when_asked_for_more():

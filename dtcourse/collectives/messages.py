@@ -19,7 +19,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-__all__ = ["Message", "ByteCounter", "send", "receive", "post", "exchange", "wait_all", "scratch"]
+__all__ = ["Message", "ByteCounter", "send", "receive", "post", "exchange", "wait_all", "scratch", "ALL_GATHER_TAG"]
+
+ALL_GATHER_TAG = 1   # the ring all-gather's messages, whose receives are posted before the reduce-scatter starts
 
 
 @dataclass(frozen=True)
@@ -52,21 +54,25 @@ class _Arrived:
 
 
 def send(tensor: torch.Tensor, peer: int, group, counter: ByteCounter | None, phase: str, step: int, chunk: int,
-         part: int = 0):
-    """Start sending ``tensor`` to group rank ``peer``, and count it; returns the request to wait on."""
+         part: int = 0, tag: int = 0):
+    """Start sending ``tensor`` to group rank ``peer``, and count it; returns the request to wait on.
+
+    ``tag``: gloo matches a message to the oldest receive posted from the same peer with the same tag, so
+    receives posted early for a later phase need a tag of their own (nccl ignores tags: it matches in order).
+    """
     if not tensor.numel():             # both sides know the sizes: an empty message is never sent
         return _Arrived()
     if counter is not None:
         counter.sent += tensor.nbytes
         counter.messages.append(Message(phase, step, dist.get_rank(group), peer, chunk, tensor.nbytes, part))
-    return dist.isend(tensor, group=group, group_dst=peer)
+    return dist.isend(tensor, group=group, group_dst=peer, tag=tag)
 
 
-def receive(tensor: torch.Tensor, peer: int, group, counter: ByteCounter | None):
+def receive(tensor: torch.Tensor, peer: int, group, counter: ByteCounter | None, tag: int = 0):
     """Start receiving ``tensor`` from group rank ``peer``, and count it; returns the request to wait on."""
     if counter is not None:
         counter.received += tensor.nbytes
-    return dist.irecv(tensor, group=group, group_src=peer) if tensor.numel() else _Arrived()
+    return dist.irecv(tensor, group=group, group_src=peer, tag=tag) if tensor.numel() else _Arrived()
 
 
 def post(sends, recvs, group, counter: ByteCounter | None, phase: str, step: int) -> tuple[list, list]:

@@ -7,9 +7,11 @@ cuts every chunk into at least two segments, one in flight while the other is re
 comment above ``ring`` in gloo/allreduce.cc). Here each phase's N-1 steps become one stream of
 (N-1)·k slice transfers:
 
-* a slice is sent as soon as it is ready (summed, or received), ``IN_FLIGHT`` sends at a time;
-* each receive is posted ``AHEAD`` transfers before its send, so that a neighbour's send never
-  waits for us to be ready (gloo sends a message only once its receiver has posted the receive);
+* a slice is sent as soon as it is ready (summed, or received), in the reduce-scatter ``IN_FLIGHT``
+  sends at a time;
+* each reduce-scatter receive is posted ``AHEAD`` transfers before its send, so that a neighbour's
+  send never waits for us to be ready (gloo sends a message only once its receiver has posted the
+  receive), and every all-gather receive before the reduce-scatter starts (``ring.all_gather_receives``);
 * each slice that lands is added while the next ones travel.
 
 ``slices`` must be at least ``IN_FLIGHT``: transfer t sends the slice that transfer t - k summed
@@ -27,7 +29,7 @@ from collections import deque
 
 import torch
 
-from dtcourse.collectives.messages import ByteCounter, receive, scratch, send
+from dtcourse.collectives.messages import ALL_GATHER_TAG, ByteCounter, receive, scratch, send, wait_all
 from dtcourse.runtime.refuse import reference
 
 __all__ = ["IN_FLIGHT", "AHEAD", "sliced", "pipelined_reduce_scatter_steps", "pipelined_all_gather_steps"]
@@ -88,28 +90,23 @@ def pipelined_reduce_scatter_steps(chunks: list[torch.Tensor], rank: int, world:
 
 @reference("collectives", "01")
 def pipelined_all_gather_steps(chunks: list[torch.Tensor], rank: int, world: int, group,
-                               counter: ByteCounter | None, slices: int, first_step: int = 0) -> list:
-    """``ring.all_gather_steps`` as (N-1)·k slice transfers, each slice passed on soon after it lands; returns
-    the sends still under way (none)."""
-    right, left = (rank + 1) % world, (rank - 1) % world
+                               counter: ByteCounter | None, slices: int, first_step: int = 0, *,
+                               arrivals: list) -> list:
+    """``ring.all_gather_steps`` as (N-1)·k slice transfers, each slice passed on as soon as it lands.
+
+    ``arrivals``: the phase's receives, posted already (``ring.all_gather_receives``). Returns the sends
+    still under way: a slice that has been received is never written again, so no send needs waiting
+    before the end.
+    """
+    right = (rank + 1) % world
     pieces = [sliced(c, slices) for c in chunks]
-    count = (world - 1) * slices
-    arrivals = []
-    for t in range(count):             # every receive at once: each lands in its own slice of its chunk
+    departures = []
+    for t in range((world - 1) * slices):
+        if t >= slices:
+            arrivals[t - slices].wait()     # the slice sent now is the one transfer t - k received
         step, j = divmod(t, slices)
-        recv_c = (rank - step - 1) % world
-        arrivals.append(receive(pieces[recv_c][j], left, group, counter))
-    in_flight: deque = deque()
-    for t in range(count):
-        if len(in_flight) == IN_FLIGHT:
-            done, departure = in_flight.popleft()
-            arrivals[done].wait()
-            departure.wait()
-        step, j = divmod(t, slices)
-        send_c = (rank - step) % world        # its slice j arrived with transfer t - k: landed, k >= IN_FLIGHT
-        in_flight.append((t, send(pieces[send_c][j], right, group, counter, "all-gather", first_step + step,
-                                  send_c, j)))
-    for done, departure in in_flight:
-        arrivals[done].wait()
-        departure.wait()
-    return []
+        send_c = (rank - step) % world
+        departures.append(send(pieces[send_c][j], right, group, counter, "all-gather", first_step + step, send_c, j,
+                               tag=ALL_GATHER_TAG))
+    wait_all(arrivals[len(arrivals) - slices:])     # the last step's slices, which nobody passes on
+    return departures

@@ -27,8 +27,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from dtcourse.collectives.messages import ByteCounter, check_op, finish, post, scratch, wait_all
-from dtcourse.collectives.pipelined import IN_FLIGHT, pipelined_all_gather_steps, pipelined_reduce_scatter_steps
+from dtcourse.collectives.messages import (ALL_GATHER_TAG, ByteCounter, check_op, finish, post, receive, scratch, send,
+                                           wait_all)
+from dtcourse.collectives.pipelined import IN_FLIGHT, pipelined_all_gather_steps, pipelined_reduce_scatter_steps, sliced
 from dtcourse.runtime.refuse import reference
 
 __all__ = ["chunk_sizes", "ring_reduce_scatter", "ring_all_gather", "ring_all_reduce"]
@@ -67,22 +68,51 @@ def reduce_scatter_steps(chunks: list[torch.Tensor], rank: int, world: int, grou
     return departures
 
 
+def receives_early(group) -> bool:
+    """Whether a phase's receives can be posted before the previous phase ends: on gloo, which matches a
+    message to a receive by its tag; nccl matches each peer's messages in order, whatever their tags."""
+    return dist.get_backend(group) != "nccl"
+
+
+@reference("collectives", "01")
+def all_gather_receives(chunks: list[torch.Tensor], rank: int, world: int, group, counter: ByteCounter | None,
+                        slices: int = 1) -> list:
+    """Post every receive of the all-gather at once, each straight into its place in ``chunks``.
+
+    Returns (N-1)·k requests in the order their pieces arrive, step by step, slice by slice. A send
+    goes out only once its receiver has posted the receive (gloo), so with every receive posted
+    no neighbour's send waits for us.
+    """
+    left = (rank - 1) % world
+    return [receive(piece, left, group, counter, ALL_GATHER_TAG)
+            for step in range(world - 1) for piece in sliced(chunks[(rank - step - 1) % world], slices)]
+
+
 @reference("collectives", "01")
 def all_gather_steps(chunks: list[torch.Tensor], rank: int, world: int, group,
-                     counter: ByteCounter | None, first_step: int = 0) -> list:
+                     counter: ByteCounter | None, first_step: int = 0, arrivals: list | None = None) -> list:
     """Starting with ``chunks[rank]`` complete, pass chunks around until every rank has all N.
 
-    Returns the sends still under way, like ``reduce_scatter_steps``.
+    ``arrivals``: this phase's receives, if posted already (``all_gather_receives``); otherwise gloo
+    posts them all here, and nccl one step at a time. Returns the sends still under way, like
+    ``reduce_scatter_steps``.
     """
     right, left = (rank + 1) % world, (rank - 1) % world
+    if arrivals is None and receives_early(group):
+        arrivals = all_gather_receives(chunks, rank, world, group, counter)
     departures = []
     for step in range(world - 1):
-        send_c = (rank - step) % world
+        send_c = (rank - step) % world       # my own chunk first, then the one that arrived a step ago
         recv_c = (rank - step - 1) % world
         # received straight into its place; sends (N-1)/N * S per rank in all, like the reduce-scatter
-        arrivals, sends = post([(chunks[send_c], right, send_c)], [(chunks[recv_c], left)], group, counter,
-                               "all-gather", first_step + step)
-        wait_all(arrivals)
+        if arrivals is None:                 # nccl: this step's receive and send, posted as one batch
+            landed, sends = post([(chunks[send_c], right, send_c)], [(chunks[recv_c], left)], group, counter,
+                                 "all-gather", first_step + step)
+        else:
+            landed = arrivals[step:step + 1]
+            sends = [send(chunks[send_c], right, group, counter, "all-gather", first_step + step, send_c,
+                          tag=ALL_GATHER_TAG)]
+        wait_all(landed)                     # the next step sends what landed here
         departures += sends
     return departures
 
@@ -134,11 +164,14 @@ def ring_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None,
     flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
     chunks = list(flat.split(chunk_sizes(flat.numel(), world)))    # N views into the tensor itself
     reduce_scatter, all_gather = _steps(slices)    # slices=1: one message per step, as the lesson draws it
+    # a chunk is received into in the all-gather only once its owner has summed it, and that sum needed all of
+    # my additions into the chunk and every byte of my sends of it. So, on gloo, every all-gather receive is
+    # posted now, before the reduce-scatter starts (under a tag of its own), and the sends are waited for
+    # once, at the end
+    arrivals = all_gather_receives(chunks, rank, world, group, counter, slices) if receives_early(group) else None
     departures = reduce_scatter(chunks, rank, world, group, counter)
     finish(chunks[rank], op, world)   # each chunk divided once, by its owner: bit-identical everywhere
-    # a chunk sent in the reduce-scatter is received into again below, but only after its owner summed it,
-    # which needed every byte of my send: so the sends are waited for once, here at the end
-    departures += all_gather(chunks, rank, world, group, counter, first_step=world - 1)
+    departures += all_gather(chunks, rank, world, group, counter, first_step=world - 1, arrivals=arrivals)
     wait_all(departures)
     if flat.data_ptr() != tensor.data_ptr():
         tensor.copy_(flat.view_as(tensor))

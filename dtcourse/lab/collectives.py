@@ -115,8 +115,17 @@ _BACKEND = {"all_reduce": lambda big, small: dist.all_reduce(big),
             "all_gather": lambda big, small: all_gather_single(big, small)}
 
 
-def _time_rank(collective: str, sizes: list[int], algorithms: list[str], iterations: int | None) -> list[dict]:
-    """Inside every rank: the algorithms take turns at each size, so their times are paired, in a rotating order."""
+LEAD_IN = 1   # untimed calls of an algorithm just before each timed one: a call runs slower after a different one
+
+
+def _time_rank(collective: str, sizes: list[int], algorithms: list[str], iterations: int | None,
+               lead_in: int = LEAD_IN) -> list[dict]:
+    """Inside every rank: the algorithms take turns at each size, so their times are paired, in a rotating order.
+
+    In its turn an algorithm runs ``lead_in`` untimed calls, then the timed one: here a call that follows a
+    different algorithm runs 1-2 ms slower at 16 MB on 4 ranks (a ring after gloo's all-reduce, or gloo after
+    the ring; BENCHMARKS.md), and a training loop calls the same all-reduce over and over.
+    """
     world = dist.get_world_size()
     rows = []
     for nbytes in sizes:
@@ -126,9 +135,12 @@ def _time_rank(collective: str, sizes: list[int], algorithms: list[str], iterati
         runs = {name: _BACKEND[collective] if name in (BACKEND, AGAIN) else _ours(collective, name)
                 for name in algorithms}
         times: dict[str, list[float]] = {name: [] for name in algorithms}
-        for i in range((iterations or _iterations(nbytes)) + 2):          # the first 2 are warm-up
+        for i in range((iterations or _iterations(nbytes)) + 2):          # the first 2 rounds are warm-up
             for name in turns(list(runs), i):                 # the first place rotates
                 run = runs[name]
+                for _ in range(lead_in):
+                    big.fill_(1.0)
+                    run(big, small)
                 big.fill_(1.0)                                            # repeated sums would overflow
                 dist.barrier()
                 start = time.perf_counter()
@@ -147,15 +159,16 @@ def _time_rank(collective: str, sizes: list[int], algorithms: list[str], iterati
 
 def measure(world_size: int, sizes: list[int] | None = None,
             algorithms: Sequence[str] = ("naive", "tree", "ring", BACKEND), collective: str = "all_reduce",
-            iterations: int | None = None, timeout: float = 600) -> list[dict]:
+            iterations: int | None = None, timeout: float = 600, lead_in: int = LEAD_IN) -> list[dict]:
     """Time ``collective`` at one world size; one dict per (algorithm, size).
 
     ``algorithms`` for all-reduce: ``naive``, ``tree``, ``ring``, ``ring/k`` (k slices per chunk) and
     ``backend``; for ``reduce_scatter`` and ``all_gather``: ``ring`` and ``backend``. ``AGAIN`` times the
     backend a second time in each round, a control: its ratio to ``backend`` would be 1.0 without noise.
+    ``lead_in``: untimed calls of an algorithm before each of its timed calls (``_time_rank``).
     """
     return launch(_time_rank, world_size, collective, list(sizes or DEFAULT_SIZES), list(algorithms), iterations,
-                  timeout=timeout)[0]
+                  lead_in, timeout=timeout)[0]
 
 
 def paired_ratio(rows: list[dict], algorithm: str, collective: str, world_size: int, nbytes: int) -> float:
