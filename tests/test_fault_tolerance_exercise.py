@@ -61,6 +61,10 @@ RAISES_WITHOUT_A_SNAPSHOT = _answer(load=[("    if not path.exists():\n        r
 ONLY_RANK_0_SAVES = _answer(save=[("    tmp = path.with_name", "    import torch.distributed as dist\n"
                                                            "    if dist.get_rank() != 0:\n        return\n"
                                                            "    tmp = path.with_name")])
+SLOW_SAVES_BUT_RANK_0 = _answer(save=[("    tmp = path.with_name", "    import torch.distributed as dist\n"
+                                                               "    if dist.get_rank() != 0:\n"
+                                                               "        __import__('time').sleep(0.5)\n"
+                                                               "    tmp = path.with_name")])
 IN_PLACE = _answer(save=[(_WRITE, "    torch.save(state, path)")])
 ANOTHER_DIRECTORY = _answer(save=[('path.with_name(f".{path.name}.tmp-{os.getpid()}")',
                                    'Path(__import__("tempfile").mkdtemp()) / path.name')])
@@ -265,6 +269,12 @@ def test_ranks_that_resume_from_different_steps_are_stopped_before_they_deadlock
     message = _resume_fails(ONLY_RANK_0_SAVES)
     assert "after restart 1, the ranks' load_snapshot returned different steps (rank 0: 4, rank 1: None): every rank " \
            "saves and loads its own file" in message, message
+
+
+def test_where_the_ranks_resume_does_not_depend_on_which_saved_last():
+    # in case 'large' rank 0 dies as step 9 starts, right after the snapshot of step 9: ranks slower to save must
+    # have saved theirs too by then, or they would resume from step 6 while rank 0 resumes from 9
+    checks.check_snapshot_resume(*SLOW_SAVES_BUT_RANK_0, cases=("large",))
 
 
 def test_the_hidden_run_kills_three_ranks_twice_by_sigkill():

@@ -831,8 +831,12 @@ def _resume_rank(save: Callable | None, load: Callable | None, run: _Run, direct
         if start is not None:
             torch.save(_state(model, optimizer, generators=True), folder / f"resumed-{attempt}-{rank}.pt")
     for step in range(record["start"] or 0, run.steps):
-        failure = next((f for f in run.failures if save is not None and (f.attempt, f.rank, f.step)
-                        == (attempt, rank, step)), None)
+        planned = [f for f in run.failures if save is not None and (f.attempt, f.step) == (attempt, step)]
+        if planned:
+            # every rank first finishes the step before, and the save after it: otherwise a rank that failed right
+            # after a save could take the others down before theirs, and where they resume would depend on timing
+            dist.barrier()
+        failure = next((f for f in planned if f.rank == rank), None)
         if failure and failure.how == "raise":
             raise RuntimeError(f"the check's planned failure: rank {rank} raises at step {step}")
         if failure:
