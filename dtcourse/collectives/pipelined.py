@@ -34,8 +34,8 @@ from dtcourse.runtime.refuse import reference
 
 __all__ = ["IN_FLIGHT", "AHEAD", "sliced", "pipelined_reduce_scatter_steps", "pipelined_all_gather_steps"]
 
-IN_FLIGHT = 2   # sends posted and not yet waited for
-AHEAD = 1       # receives posted this many transfers before their sends
+IN_FLIGHT = 2   # reduce-scatter sends posted and not yet waited for
+AHEAD = 1       # reduce-scatter receives posted this many transfers before their sends
 
 
 def sliced(tensor: torch.Tensor, slices: int) -> list[torch.Tensor]:
