@@ -1,14 +1,15 @@
 """Benchmark: our all-reduces, ring reduce-scatter and ring all-gather against the backend's own, in one run.
 
-    python -m dtcourse.bench.collectives                       # about two minutes on 2 cores
+    python -m dtcourse.bench.collectives                       # about 70 s on 2 cores
     python -m dtcourse.bench.collectives --world-sizes 4 --sizes 16M 64M --repeats 15
 
 Every algorithm and the backend take turns, iteration by iteration, so each ring/backend
 ratio is a median of paired ratios (t_backend / t_ring = busbw_ring / busbw_backend): a
 burst of load from another program slows both sides of a pair. In its turn each runs once
 untimed before its timed call, since a call that follows a different algorithm runs slower
-(``lab.collectives.LEAD_IN``). Each iteration counts as long as its slowest rank. The table gives busbw as nccl-tests defines it; the plot draws it beside
-the alpha-beta-gamma model fitted on the same machine (``dtcourse.lab.collectives.fit_link``).
+(``lab.collectives.LEAD_IN``). Each iteration counts as long as its slowest rank. The table
+gives busbw as nccl-tests defines it; the plot draws it beside the alpha-beta-gamma model
+fitted on the same machine (``dtcourse.lab.collectives.fit_link``).
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from dtcourse.bench import bars, finish, paired, ratio_cell, step_times, text_table, times_cell, world_panels, turns
+from dtcourse.bench import bars, finish, paired, ratio_cell, step_times, text_table, times_cell, turns, world_panels
 from dtcourse.models import GPT, GPTConfig, lm_loss, token_batch
 from dtcourse.models.moe import capacity
 from dtcourse.moe import AllToAllLog, ExpertParallel

@@ -43,7 +43,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from dtcourse.bench import bars, finish, paired_ratio, ratio_cell, step_times, text_table, world_panels, turns
+from dtcourse.bench import bars, finish, paired_ratio, ratio_cell, step_times, text_table, turns, world_panels
 from dtcourse.models import GPT, GPTConfig, lm_loss, token_batch
 from dtcourse.pipeline import schedules
 from dtcourse.pipeline.execute import PipelineExecutor, run_schedule

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from dtcourse.bench import (bars, finish, paired_ratio, ratio_cell, step_times, text_table, times_cell,
-                            world_panels, turns)
+                            turns, world_panels)
 from dtcourse.models import GPT, GPTConfig, lm_loss, token_batch
 from dtcourse.runtime.device import device
 from dtcourse.runtime.launch import launch
