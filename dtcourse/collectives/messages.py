@@ -34,7 +34,7 @@ class Message:
     dst: int
     chunk: int    # ring: which of the N chunks travelled; naive and tree: -1 (whole tensor)
     nbytes: int
-    part: int = 0  # pipelined ring: which slice of the chunk; 0 when a chunk travels whole
+    part: int = 0  # pipelined ring: which slice of the chunk; ring in blocks: which block; else 0
 
 
 @dataclass

@@ -17,6 +17,12 @@ and a slice is added and passed on while the next one is on the wire (``pipeline
 
     ring_all_reduce(grad, op=ReduceOp.AVG)             # in place, any length
     ring_all_reduce(grad, slices=2)                    # the same sum, bit for bit, pipelined
+
+``chunk_bytes=c`` caps every message at c bytes, as NCCL's chunk size does: a larger tensor goes
+round in blocks of N such chunks, each block's all-gather travelling beside the next block's
+reduce-scatter (``blocks.py``)::
+
+    ring_all_reduce(grad, chunk_bytes=4 << 20)         # messages and receive buffer of 4 MB at most
 """
 
 from __future__ import annotations
@@ -156,23 +162,33 @@ def ring_all_gather(output: torch.Tensor, input_tensor: torch.Tensor, group=None
 
 @reference("collectives", "01")
 def ring_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None,
-                    counter: ByteCounter | None = None, slices: int = 1) -> None:
-    """Ring reduce-scatter then ring all-gather, in place, for any length (uneven chunks)."""
+                    counter: ByteCounter | None = None, slices: int = 1, chunk_bytes: int | None = None) -> None:
+    """Ring reduce-scatter then ring all-gather, in place, for any length (uneven chunks).
+
+    ``slices=k``: each chunk streams round as k slices (``pipelined.py``). ``chunk_bytes``: no chunk larger
+    than this; a larger tensor goes round in blocks of N chunks (``blocks.py``).
+    """
     check_op(op)
     _check_slices(slices, group)
+    _check_chunk_bytes(chunk_bytes, slices, group, tensor.element_size())
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
-    chunks = list(flat.split(chunk_sizes(flat.numel(), world)))    # N views into the tensor itself
-    reduce_scatter, all_gather = _steps(slices)    # slices=1: one message per step, as the lesson draws it
-    # a chunk is received into in the all-gather only once its owner has summed it, and that sum needed all of
-    # my additions into the chunk and every byte of my sends of it. So, on gloo, every all-gather receive is
-    # posted now, before the reduce-scatter starts (under a tag of its own), and the sends are waited for
-    # once, at the end
-    arrivals = all_gather_receives(chunks, rank, world, group, counter, slices) if receives_early(group) else None
-    departures = reduce_scatter(chunks, rank, world, group, counter)
-    finish(chunks[rank], op, world)   # each chunk divided once, by its owner: bit-identical everywhere
-    departures += all_gather(chunks, rank, world, group, counter, first_step=world - 1, arrivals=arrivals)
-    wait_all(departures)
+    if chunk_bytes is not None and world > 1:   # no message above chunk_bytes: round in blocks (blocks.py)
+        from dtcourse.collectives.blocks import blocked_all_reduce   # here, since blocks.py builds on this module
+        blocked_all_reduce(flat, rank, world, group, counter, op, chunk_bytes)
+    else:
+        chunks = list(flat.split(chunk_sizes(flat.numel(), world)))    # N views into the tensor itself
+        reduce_scatter, all_gather = _steps(slices)    # slices=1: one message per step, as the lesson draws it
+        # a chunk is received into in the all-gather only once its owner has summed it, and that sum needed all
+        # of my additions into the chunk and every byte of my sends of it. So, on gloo, every all-gather receive
+        # is posted now, before the reduce-scatter starts (under a tag of its own), and the sends are waited
+        # for once, at the end
+        early = receives_early(group)
+        arrivals = all_gather_receives(chunks, rank, world, group, counter, slices) if early else None
+        departures = reduce_scatter(chunks, rank, world, group, counter)
+        finish(chunks[rank], op, world)   # each chunk divided once, by its owner: bit-identical everywhere
+        departures += all_gather(chunks, rank, world, group, counter, first_step=world - 1, arrivals=arrivals)
+        wait_all(departures)
     if flat.data_ptr() != tensor.data_ptr():
         tensor.copy_(flat.view_as(tensor))
 
@@ -184,6 +200,20 @@ def _steps(slices: int) -> tuple:
         return reduce_scatter_steps, all_gather_steps
     return (partial(pipelined_reduce_scatter_steps, slices=slices),
             partial(pipelined_all_gather_steps, slices=slices))
+
+
+def _check_chunk_bytes(chunk_bytes: int | None, slices: int, group, element_size: int) -> None:
+    if chunk_bytes is None:
+        return
+    if not (isinstance(chunk_bytes, int) and chunk_bytes >= element_size):
+        raise ValueError(f"chunk_bytes must be a whole number of bytes, at least one element ({element_size} bytes "
+                         f"here), or None for one block of N chunks; got {chunk_bytes!r}")
+    if slices != 1:
+        raise ValueError(f"choose slices={slices} (each chunk pipelined in slices) or chunk_bytes={chunk_bytes} "
+                         "(the tensor in blocks of small chunks), not both")
+    if dist.get_backend(group) == "nccl":
+        raise ValueError("chunk_bytes posts every all-gather receive first, under a tag, which nccl ignores; use "
+                         "chunk_bytes=None on nccl, whose own kernels already go round in blocks of chunkSize")
 
 
 def _check_slices(slices: int, group) -> None:

@@ -92,6 +92,8 @@ def collectives_figure(runs: dict[str, Run], n_ranks: int, columns: int = 2):
 BACKEND = "backend"   # the process group's own collective (gloo here, nccl on GPUs)
 AGAIN = "backend again"   # the same collective timed a second time in each round: the noise floor of a ratio
 SLICES = 2            # the pipelined ring's slices per chunk, as "ring/2" (gloo's ring uses at least 2)
+CHUNK_BYTES = 4 << 20  # the ring in blocks, "ring/blocks": no message above 4 MB (16 MB blocks on 4 ranks)
+BLOCKS = "ring/blocks"
 DEFAULT_SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 
 
@@ -104,6 +106,8 @@ def _ours(collective: str, name: str) -> Callable:
     if collective == "all_reduce":
         algorithm, _, slices = name.partition("/")
         fn = ALGORITHMS[algorithm]
+        if slices == "blocks":
+            return lambda big, small: fn(big, chunk_bytes=CHUNK_BYTES)
         return (lambda big, small: fn(big, slices=int(slices))) if slices else (lambda big, small: fn(big))
     if collective == "reduce_scatter":
         return lambda big, small: ring_reduce_scatter(small, big)
@@ -162,8 +166,8 @@ def measure(world_size: int, sizes: list[int] | None = None,
             iterations: int | None = None, timeout: float = 600, lead_in: int = LEAD_IN) -> list[dict]:
     """Time ``collective`` at one world size; one dict per (algorithm, size).
 
-    ``algorithms`` for all-reduce: ``naive``, ``tree``, ``ring``, ``ring/k`` (k slices per chunk) and
-    ``backend``; for ``reduce_scatter`` and ``all_gather``: ``ring`` and ``backend``. ``AGAIN`` times the
+    ``algorithms`` for all-reduce: ``naive``, ``tree``, ``ring``, ``ring/k`` (k slices per chunk), ``ring/blocks``
+    (no message above ``CHUNK_BYTES``) and ``backend``; for ``reduce_scatter`` and ``all_gather``: ``ring`` and ``backend``. ``AGAIN`` times the
     backend a second time in each round, a control: its ratio to ``backend`` would be 1.0 without noise.
     ``lead_in``: untimed calls of an algorithm before each of its timed calls (``_time_rank``).
     """
