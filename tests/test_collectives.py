@@ -33,8 +33,10 @@ def _rank_data(numel: int, dtype: torch.dtype, rank: int, salt: int = 0) -> torc
     return torch.randn(numel, generator=g, dtype=torch.float64).to(dtype)
 
 
-# the pipelined ring with 2 and 3 slices per chunk, beside the three plain algorithms
-VARIANTS = {**ALGORITHMS, "ring/2": partial(ring_all_reduce, slices=2), "ring/3": partial(ring_all_reduce, slices=3)}
+# the pipelined ring with 2 and 3 slices per chunk, and the ring in blocks of 8-byte chunks (2 float32 elements,
+# 4 float16: up to 1001 elements make many blocks, the last one short), beside the three plain algorithms
+VARIANTS = {**ALGORITHMS, "ring/2": partial(ring_all_reduce, slices=2), "ring/3": partial(ring_all_reduce, slices=3),
+            "ring/blocks": partial(ring_all_reduce, chunk_bytes=8)}
 
 
 def _all_reduce_cases(lengths):
@@ -43,7 +45,7 @@ def _all_reduce_cases(lengths):
     out = {}
     for name, algorithm in VARIANTS.items():
         for numel in lengths:
-            for dtype in DTYPES if name in ALGORITHMS else (torch.float32, torch.float16):   # slicing is dtype-blind
+            for dtype in DTYPES if name in ALGORITHMS else (torch.float32, torch.float16):   # dtype-blind variants
                 for op in (ReduceOp.SUM, ReduceOp.AVG):
                     x = _rank_data(numel, dtype, rank, salt=numel)
                     # gloo has no AVG: the reference is a float64 sum divided by N
@@ -181,6 +183,59 @@ def test_the_all_gather_receives_are_posted_before_the_reduce_scatter_starts(wor
         assert all_gather_posts == [("recv", ALL_GATHER_TAG)] * steps + [("send", ALL_GATHER_TAG)] * steps
 
 
+def _blocked_rounds(numel, chunk_bytes):
+    """One rank's posts and sent messages in ``ring_all_reduce(x, chunk_bytes=...)``, and whether the sum is right."""
+    world, posted = dist.get_world_size(), []
+    real = {"send": dist.isend, "recv": dist.irecv}
+
+    def recording(kind):
+        def post(tensor, *args, tag=0, **kwargs):
+            posted.append((kind, tag, tensor.nbytes))
+            return real[kind](tensor, *args, tag=tag, **kwargs)
+        return post
+
+    dist.isend, dist.irecv = recording("send"), recording("recv")
+    counter = ByteCounter()
+    try:
+        x = torch.arange(float(numel)) + dist.get_rank()
+        ring_all_reduce(x, chunk_bytes=chunk_bytes, counter=counter)
+    finally:
+        dist.isend, dist.irecv = real["send"], real["recv"]
+    expected = torch.arange(float(numel)) * world + world * (world - 1) / 2
+    return posted, counter.messages, torch.equal(x, expected)
+
+
+@pytest.mark.parametrize("world_size", [3, 5])
+def test_the_ring_in_blocks_sends_each_blocks_all_gather_beside_the_next_blocks_reduce_scatter(world_size):
+    # 4-element chunks (16 bytes of float32): 10N + 3 elements make 3 blocks, two of 4N elements and a short one of
+    # 2N + 3, whose chunks differ by one element
+    n, blocks = world_size, 3
+    numel = 10 * n + 3
+    for rank, (posted, messages, correct) in enumerate(launch(_blocked_rounds, world_size, numel, 16)):
+        assert correct
+        # every all-gather receive of every block first, under its own tag; then nothing above chunk_bytes
+        assert posted[:blocks * (n - 1)] == [("recv", ALL_GATHER_TAG, 16)] * (2 * (n - 1)) + \
+            [("recv", ALL_GATHER_TAG, 4 * c) for c in _all_gather_receipts(2 * n + 3, n, rank)]
+        assert all(nbytes <= 16 for _, _, nbytes in posted)
+        assert all(m.src == rank and m.dst == (rank + 1) % n for m in messages), "only ever to the right neighbour"
+        # round r of pass b carries block b's reduce-scatter and block b-1's all-gather: (B+1)(N-1) rounds
+        rounds = [[(m.phase, m.part) for m in messages if m.step == r] for r in range((blocks + 1) * (n - 1))]
+        for r, got in enumerate(rounds):
+            b = r // (n - 1)
+            assert got == [("reduce-scatter", b)] * (b < blocks) + [("all-gather", b - 1)] * (b > 0), (rank, r)
+        assert len(messages) == sum(map(len, rounds)) == 2 * blocks * (n - 1)
+        # the plain ring's bytes, block by block: 2(N-1)/N of each full block, and the short block's chunks
+        sizes = chunk_sizes(2 * n + 3, n)
+        short = sum(sizes[(rank - s - 1) % n] + sizes[(rank - s) % n] for s in range(n - 1))
+        assert sum(m.nbytes for m in messages) == 4 * (2 * 2 * (n - 1) * 4 + short)
+
+
+def _all_gather_receipts(numel: int, n: int, rank: int) -> list[int]:
+    """The sizes of the chunks a rank receives in a ring all-gather of ``numel`` elements, step by step."""
+    sizes = chunk_sizes(numel, n)
+    return [sizes[(rank - s - 1) % n] for s in range(n - 1)]
+
+
 def test_scratch_is_kept_per_dtype_device_and_thread_and_grows_when_asked_for_more():
     first = scratch(10, torch.float32, "cpu")
     assert scratch(6, torch.float32, "cpu").data_ptr() == first.data_ptr()
@@ -212,7 +267,9 @@ def _shape_errors():
                  lambda: ring_reduce_scatter(torch.empty(3), torch.empty(9, dtype=torch.float64)),
                  lambda: ALGORITHMS["ring"](torch.ones(4), op=ReduceOp.MAX),
                  lambda: ring_all_reduce(torch.ones(4), slices=0),
-                 lambda: ring_all_reduce(torch.ones(4), slices=1.5)):
+                 lambda: ring_all_reduce(torch.ones(4), slices=1.5),
+                 lambda: ring_all_reduce(torch.ones(4), chunk_bytes=3),
+                 lambda: ring_all_reduce(torch.ones(4), slices=2, chunk_bytes=8)):
         try:
             call()
             errors.append(None)
@@ -229,6 +286,9 @@ def test_shape_and_op_errors_say_what_to_change():
     assert "ReduceOp.SUM or ReduceOp.AVG" in errors[3]
     assert "slices must be 1 (each chunk travels whole) or a whole number >= 2" in errors[4]
     assert "got 1.5" in errors[5]
+    assert "chunk_bytes must be a whole number of bytes, at least one element (4 bytes here)" in errors[6]
+    assert "got 3" in errors[6]
+    assert "choose slices=2 (each chunk pipelined in slices) or chunk_bytes=8" in errors[7]
 
 
 def _count_bytes(numel):
@@ -258,6 +318,9 @@ def test_byte_counters_match_the_analytic_volumes(world_size):
     for k in (2, 3):
         assert all(c[f"ring/{k}"][:2] == c["ring"][:2] for c in per_rank), "slicing must not change the bytes"
         assert all(c[f"ring/{k}"][2] == 2 * (n - 1) * k for c in per_rank)
+    # in blocks of N chunks of 2 elements: numel / 2N = 30 blocks, each 2(N-1) messages, and the same bytes
+    assert all(c["ring/blocks"][:2] == c["ring"][:2] for c in per_rank), "blocks must not change the bytes"
+    assert all(c["ring/blocks"][2] == 2 * (n - 1) * 30 for c in per_rank)
 
 
 @pytest.mark.parametrize("world_size", [3, 5])

@@ -159,7 +159,7 @@ def test_fit_ping_pong_measures_again_when_noise_spoils_the_fit(monkeypatch):
 
 
 def test_measure_times_every_collective_with_paired_iterations():
-    for collective, algorithms in (("all_reduce", ("ring", "ring/2", "backend", lab.AGAIN)),
+    for collective, algorithms in (("all_reduce", ("ring", "ring/2", lab.BLOCKS, "backend", lab.AGAIN)),
                                    ("reduce_scatter", ("ring", "backend")), ("all_gather", ("ring", "backend"))):
         rows = lab.measure(3, [4 << 10], algorithms, collective=collective, iterations=2)
         assert [r["algorithm"] for r in rows] == list(algorithms)
@@ -168,6 +168,7 @@ def test_measure_times_every_collective_with_paired_iterations():
             assert r["nbytes"] == (4 << 10) // 12 * 12            # N divides the elements, for RS and AG
             assert r["busbw"] == pytest.approx(busbw(collective, r["nbytes"], r["seconds"], 3))
         if lab.AGAIN in algorithms:                # the control is timed as the backend, a ratio like the others
+            assert lab.paired_ratio(rows, lab.BLOCKS, collective, 3, rows[0]["nbytes"]) > 0
             assert lab.paired_ratio(rows, lab.AGAIN, collective, 3, rows[0]["nbytes"]) > 0
 
 

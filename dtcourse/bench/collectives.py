@@ -20,8 +20,8 @@ import time
 
 import torch
 
-from dtcourse.lab.collectives import (AGAIN, BACKEND, DEFAULT_SIZES, SLICES, fit_link, measure, paired_ratio, plot,
-                                      table)
+from dtcourse.lab.collectives import (AGAIN, BACKEND, BLOCKS, DEFAULT_SIZES, SLICES, fit_link, measure, paired_ratio,
+                                      plot, table)
 
 RING = f"ring/{SLICES}"
 
@@ -45,13 +45,14 @@ def main(argv: list[str] | None = None) -> None:
     load = os.getloadavg()[0]
     rows = []
     for n in args.world_sizes:
-        rows += measure(n, args.sizes, ("naive", "tree", "ring", RING, BACKEND), iterations=args.repeats)
+        rows += measure(n, args.sizes, ("naive", "tree", "ring", RING, BLOCKS, BACKEND), iterations=args.repeats)
         for collective in ("reduce_scatter", "all_gather"):
             rows += measure(n, args.sizes, ("ring", BACKEND), collective=collective, iterations=args.repeats)
     models = {n: fit_link(n) for n in args.world_sizes}
     # the headline: ring against gloo at 16 and 64 MB on 4 ranks, with more paired repeats
     # with the backend timed twice per round: its ratio to itself shows how far identical calls wander
-    headline = measure(4, [16 << 20, 64 << 20], ("ring", RING, BACKEND, AGAIN), iterations=args.headline_repeats)
+    headline = measure(4, [16 << 20, 64 << 20], ("ring", RING, BLOCKS, BACKEND, AGAIN),
+                       iterations=args.headline_repeats)
 
     print(f"machine: {os.cpu_count()} CPUs, torch {torch.__version__}, backend gloo, "
           f"load average {load:.2f} before and {os.getloadavg()[0]:.2f} after")
@@ -62,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\nheadline, N = 4, {args.headline_repeats} paired iterations (busbw ratio against {BACKEND}):")
     for nbytes in (16 << 20, 64 << 20):
         ratios = "  ".join(f"{a}: {paired_ratio(headline, a, 'all_reduce', 4, nbytes):.2f}x"
-                           for a in ("ring", RING, AGAIN))
+                           for a in ("ring", RING, BLOCKS, AGAIN))
         print(f"  {nbytes >> 20:>3} MB  {ratios}")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     plot(rows, models).savefig(args.out, dpi=100)

@@ -167,8 +167,9 @@ def measure(world_size: int, sizes: list[int] | None = None,
     """Time ``collective`` at one world size; one dict per (algorithm, size).
 
     ``algorithms`` for all-reduce: ``naive``, ``tree``, ``ring``, ``ring/k`` (k slices per chunk), ``ring/blocks``
-    (no message above ``CHUNK_BYTES``) and ``backend``; for ``reduce_scatter`` and ``all_gather``: ``ring`` and ``backend``. ``AGAIN`` times the
-    backend a second time in each round, a control: its ratio to ``backend`` would be 1.0 without noise.
+    (no message above ``CHUNK_BYTES``) and ``backend``; for ``reduce_scatter`` and ``all_gather``: ``ring`` and
+    ``backend``. ``AGAIN`` times the backend a second time in each round, a control: its ratio to ``backend``
+    would be 1.0 without noise.
     ``lead_in``: untimed calls of an algorithm before each of its timed calls (``_time_rank``).
     """
     return launch(_time_rank, world_size, collective, list(sizes or DEFAULT_SIZES), list(algorithms), iterations,
@@ -296,14 +297,16 @@ def table(rows: list[dict]) -> str:
     """Text table: one line per (collective, N, size), busbw per algorithm and each ring's paired ratio."""
     algorithms = list(dict.fromkeys(r["algorithm"] for r in rows))
     rings = [a for a in algorithms if a.startswith("ring")] if BACKEND in algorithms else []
-    head = (f"{'collective':<15}{'N':>2} {'size':>5} " + "".join(f"{a:>11}" for a in algorithms)
-            + "".join(f"{a + '/backend':>15}" for a in rings))
+    width = {a: max(11, len(a) + 2) for a in algorithms}                    # a column wide enough for its name
+    ratio_width = {a: max(15, len(a) + 10) for a in rings}
+    head = (f"{'collective':<15}{'N':>2} {'size':>5} " + "".join(f"{a:>{width[a]}}" for a in algorithms)
+            + "".join(f"{a + '/backend':>{ratio_width[a]}}" for a in rings))
     lines = ["busbw (bytes/s); ratios are paired medians of t_backend / t_ring", head, "-" * len(head)]
     for key in dict.fromkeys((r["collective"], r["world_size"], r["nbytes"]) for r in rows):
         by_alg = {r["algorithm"]: r for r in rows if (r["collective"], r["world_size"], r["nbytes"]) == key}
-        cells = "".join(f"{pretty(by_alg[a]['busbw'], 'B/s') if a in by_alg else '-':>11}" for a in algorithms)
-        ratios = "".join(f"{paired_ratio(rows, a, *key):>15.2f}" if {a, BACKEND} <= by_alg.keys() else f"{'-':>15}"
-                         for a in rings)
+        cells = "".join(f"{pretty(by_alg[a]['busbw'], 'B/s') if a in by_alg else '-':>{width[a]}}" for a in algorithms)
+        ratios = "".join(f"{paired_ratio(rows, a, *key):>{ratio_width[a]}.2f}" if {a, BACKEND} <= by_alg.keys()
+                         else f"{'-':>{ratio_width[a]}}" for a in rings)
         lines.append(f"{key[0]:<15}{key[1]:>2} {human_size(key[2]):>5} {cells}{ratios}")
     return "\n".join(lines)
 
