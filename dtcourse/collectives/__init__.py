@@ -6,7 +6,8 @@
 * ``tree.py``: ``tree_all_reduce``, a binomial tree: 2·ceil(log2 N) rounds of S bytes.
 * ``ring.py``: ``ring_reduce_scatter``, ``ring_all_gather`` and ``ring_all_reduce`` (the two in a
   row): 2(N-1) steps, 2(N-1)/N·S bytes per rank, bandwidth-optimal; ``slices=k`` pipelines
-  the additions behind the transfers.
+  the additions behind the transfers (``pipelined.py``), and ``chunk_bytes=c`` sends a large tensor
+  round in blocks of N chunks of at most c bytes (``blocks.py``).
 * ``cost.py``: the alpha-beta(-gamma) model (``predict_time``, ``predict_ring_step``,
   ``fit_alpha_beta``), the byte formulas (``analytic_bytes``) and nccl-tests' ``algbw``/``busbw``.
 
