@@ -178,6 +178,8 @@ def test_measure_times_every_collective_with_paired_iterations():
     (lab.problem_sliced_messages, {"world_size": 3, "slices": 4}),
     (lab.problem_busbw_from_time, {"nbytes": 64 << 10, "seconds": 1e-3, "world_size": 8}),
     (lab.problem_tree_root_bytes, {"numel": 100, "world_size": 5}),
+    (lab.problem_blocked_rounds, {"numel": 1000, "world_size": 3, "chunk_bytes": 400}),   # 4 blocks, the last of 100
+    (lab.problem_blocked_rounds, {"numel": 1 << 14, "world_size": 5, "chunk_bytes": 1 << 10}),
 ])
 def test_counted_problems_agree_and_a_wrong_formula_would_not(problem, kwargs):
     answer = problem(**kwargs)
