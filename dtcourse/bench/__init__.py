@@ -22,7 +22,8 @@ def turns(variants: Sequence, round_: int) -> list:
     """The order of round ``round_``: each round starts one variant later, so that over len(variants) rounds
     every variant runs in every place once. Place matters: gloo's all-reduce, timed three times per round
     on 4 ranks at 16 MB, was 1-8% slower in the first place than in the later two (BENCHMARKS.md). So does
-    what ran just before: the collectives bench gives each variant an untimed call first (``LEAD_IN``)."""
+    what ran just before: the collectives bench gives each variant an untimed call first
+    (``lab.collectives.LEAD_IN``)."""
     k = round_ % len(variants)
     return list(variants[k:]) + list(variants[:k])
 
