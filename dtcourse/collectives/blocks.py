@@ -3,7 +3,8 @@
 The plain ring cuts the whole tensor into N chunks, so its messages, and the buffer each
 reduce-scatter step receives into, grow with the tensor: 16 MB each for a 64 MB tensor on 4
 ranks, far more than a core's cache holds. NCCL instead walks a large buffer in loops of
-N · chunkSize bytes and runs the whole ring on each loop in turn. Here the tensor is cut into
+N · chunkSize bytes and runs the whole ring on each loop in turn (``runRing`` in NCCL's
+src/device/all_reduce.h). Here the tensor is cut into
 blocks of N chunks of at most ``chunk_bytes``, and the blocks follow one another:
 
 * block b's reduce-scatter travels in the same rounds as block b-1's all-gather: each of these
