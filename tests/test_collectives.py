@@ -291,6 +291,29 @@ def test_shape_and_op_errors_say_what_to_change():
     assert "choose slices=2 (each chunk pipelined in slices) or chunk_bytes=8" in errors[7]
 
 
+def _refusals_on_nccl():
+    """On nccl (its name faked: this box has no GPUs) the ring's gloo-only variants refuse before sending."""
+    real = dist.get_backend
+    dist.get_backend = lambda group=None: "nccl"
+    errors = []
+    try:
+        for kwargs in ({"slices": 2}, {"chunk_bytes": 8}):
+            try:
+                ring_all_reduce(torch.ones(8), **kwargs)
+                errors.append(None)
+            except ValueError as exc:
+                errors.append(str(exc))
+    finally:
+        dist.get_backend = real
+    return errors
+
+
+def test_the_gloo_only_variants_refuse_nccl_and_say_what_to_use():
+    slices, blocks = launch(_refusals_on_nccl, 2)[0]
+    assert "use slices=1 on nccl" in slices
+    assert "use chunk_bytes=None on nccl" in blocks
+
+
 def _count_bytes(numel):
     counts = {}
     for name, algorithm in VARIANTS.items():
