@@ -1,6 +1,6 @@
 """Benchmark: our all-reduces, ring reduce-scatter and ring all-gather against the backend's own, in one run.
 
-    python -m dtcourse.bench.collectives                       # about 70 s on 2 cores
+    python -m dtcourse.bench.collectives                       # about 80 s on 2 cores
     python -m dtcourse.bench.collectives --world-sizes 4 --sizes 16M 64M --repeats 15
 
 Every algorithm and the backend take turns, iteration by iteration, so each ring/backend
