@@ -7,6 +7,7 @@ Many cases run inside one launch per world size, so the suite stays fast on 2 co
 import math
 import random
 import threading
+from contextlib import contextmanager
 from functools import partial
 
 import pytest
@@ -143,35 +144,43 @@ def test_the_plain_ring_keeps_its_receive_buffer_and_leaves_its_sends_to_the_end
         assert mine and all(v == world_size for v in mine)
 
 
-def _posts(slices, numel):
-    """The order in which one rank posts its messages in a ring all-reduce, then in a ring all-gather:
-    ("send" or "recv", tag) for each isend and irecv, as torch.distributed sees them."""
-    world, posted = dist.get_world_size(), []
-    real = {"send": dist.isend, "recv": dist.irecv}
+@contextmanager
+def _recording_posts():
+    """Inside: every isend and irecv, as torch.distributed sees them, appended to the list yielded as
+    ("send" or "recv", tag, bytes), in the order posted."""
+    posted, real = [], {"send": dist.isend, "recv": dist.irecv}
 
     def recording(kind):
         def post(tensor, *args, tag=0, **kwargs):
-            posted.append((kind, tag))
+            posted.append((kind, tag, tensor.nbytes))
             return real[kind](tensor, *args, tag=tag, **kwargs)
         return post
 
     dist.isend, dist.irecv = recording("send"), recording("recv")
     try:
-        x = torch.arange(float(numel)) + dist.get_rank()
-        ring_all_reduce(x, slices=slices)
-        all_reduce_posts, posted = posted, []
-        ring_all_gather(torch.empty(world * 7), torch.ones(7))
+        yield posted
     finally:
         dist.isend, dist.irecv = real["send"], real["recv"]
+
+
+def _posts(slices, numel):
+    """The order in which one rank posts its messages in a ring all-reduce, then in a ring all-gather:
+    ("send" or "recv", tag) for each isend and irecv."""
+    world = dist.get_world_size()
+    x = torch.arange(float(numel)) + dist.get_rank()
+    with _recording_posts() as all_reduce_posts:
+        ring_all_reduce(x, slices=slices)
+    with _recording_posts() as all_gather_posts:
+        ring_all_gather(torch.empty(world * 7), torch.ones(7))
     expected = torch.arange(float(numel)) * world + world * (world - 1) / 2
-    return all_reduce_posts, posted, torch.equal(x, expected)
+    return ([p[:2] for p in all_reduce_posts], [p[:2] for p in all_gather_posts]), torch.equal(x, expected)
 
 
 @pytest.mark.parametrize("world_size,slices", [(3, 1), (3, 2), (5, 1)])
 def test_the_all_gather_receives_are_posted_before_the_reduce_scatter_starts(world_size, slices):
     # gloo sends a message only once its receiver has posted the receive: posted first, under a tag of their own,
     # the all-gather's receives never keep a neighbour waiting. 23 elements: uneven chunks, every one non-empty
-    for all_reduce_posts, all_gather_posts, correct in launch(_posts, world_size, slices, 23):
+    for (all_reduce_posts, all_gather_posts), correct in launch(_posts, world_size, slices, 23):
         assert correct
         early = (world_size - 1) * slices
         assert all_reduce_posts[:early] == [("recv", ALL_GATHER_TAG)] * early
@@ -185,22 +194,10 @@ def test_the_all_gather_receives_are_posted_before_the_reduce_scatter_starts(wor
 
 def _blocked_rounds(numel, chunk_bytes):
     """One rank's posts and sent messages in ``ring_all_reduce(x, chunk_bytes=...)``, and whether the sum is right."""
-    world, posted = dist.get_world_size(), []
-    real = {"send": dist.isend, "recv": dist.irecv}
-
-    def recording(kind):
-        def post(tensor, *args, tag=0, **kwargs):
-            posted.append((kind, tag, tensor.nbytes))
-            return real[kind](tensor, *args, tag=tag, **kwargs)
-        return post
-
-    dist.isend, dist.irecv = recording("send"), recording("recv")
-    counter = ByteCounter()
-    try:
-        x = torch.arange(float(numel)) + dist.get_rank()
+    world, counter = dist.get_world_size(), ByteCounter()
+    x = torch.arange(float(numel)) + dist.get_rank()
+    with _recording_posts() as posted:
         ring_all_reduce(x, chunk_bytes=chunk_bytes, counter=counter)
-    finally:
-        dist.isend, dist.irecv = real["send"], real["recv"]
     expected = torch.arange(float(numel)) * world + world * (world - 1) / 2
     return posted, counter.messages, torch.equal(x, expected)
 
