@@ -193,7 +193,9 @@ def measure_step(model: nn.Module, batch: Sequence[torch.Tensor], loss_fn: LossF
     float16) a 16-bit copy of the model does forward and backward, and the optimizer steps fp32
     master weights, which count as optimizer state (ZeRO's K = 12 for Adam). ``by="tensors"``
     counts the tensors' bytes, and calls ``mark(phase)`` as each phase of ``PHASES`` ends (under
-    ``HeldBytes``, to cut its trace); ``by="allocator"`` (CUDA) reads ``memory_allocated`` deltas.
+    ``HeldBytes``, to cut its trace); ``by="allocator"`` (CUDA) reads ``memory_allocated`` deltas. Those also
+    hold what the forward keeps that autograd does not save: ``F.mse_loss``'s 0-dim loss keeps a storage the
+    size of its inputs until it is freed after backward.
     """
     device = torch.device(device)
     if by not in ("tensors", "allocator"):

@@ -224,6 +224,52 @@ def test_a_hanging_cell_is_interrupted_and_grading_goes_on(tmp_path):
                for note in report.notes), report.notes
 
 
+def _tiny_source(tmp_path: Path) -> Path:
+    """An instructor's notebook of one answer cell and one test cell worth a point."""
+    source = tmp_path / "solutions" / "02_tiny.ipynb"
+    source.parent.mkdir()
+    meta = {"grade": False, "grade_id": "answer", "locked": False, "schema_version": 3, "solution": True}
+    test = {"grade": True, "grade_id": "test", "locked": False, "points": 1, "schema_version": 3,
+            "solution": False}
+    nb = {"cells": [{"cell_type": "code", "execution_count": None, "id": "a", "metadata": {"nbgrader": meta},
+                     "outputs": [], "source": "x = 1"},
+                    {"cell_type": "code", "execution_count": None, "id": "b", "metadata": {"nbgrader": test},
+                     "outputs": [], "source": "assert x == 1"}],
+          "metadata": {"kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"}},
+          "nbformat": 4, "nbformat_minor": 5}
+    source.write_text(json.dumps(nb))
+    return source
+
+
+def test_a_kernel_that_dies_before_its_first_cell_is_started_again(tmp_path, monkeypatch):
+    """Fourteen graders at once on the GPU machine (2026-11-27): a kernel lost its port to another one
+    ("Address already in use") and died before kernel_info; the notebook scored 0 with an error."""
+    import dtcourse.grading.grade as grade
+    starts = []
+
+    class DiesFirst(grade.NotebookClient):
+        def execute(self, **kwargs):
+            starts.append(1)
+            if len(starts) == 1:
+                raise RuntimeError("Kernel died before replying to kernel_info")
+            return super().execute(**kwargs)
+    monkeypatch.setattr(grade, "NotebookClient", DiesFirst)
+    source = _tiny_source(tmp_path)
+    report = grade_notebook(source, source=source, cell_timeout=60)
+    assert len(starts) == 2 and report.exit_code == 0 and report.score == 1, str(report)
+
+    class NeverStarts(grade.NotebookClient):
+        def execute(self, **kwargs):
+            starts.append(1)
+            raise RuntimeError("Kernel died before replying to kernel_info")
+    monkeypatch.setattr(grade, "NotebookClient", NeverStarts)
+    starts.clear()
+    report = grade_notebook(source, source=source, cell_timeout=60)
+    assert len(starts) == grade.KERNEL_STARTS == 3 and report.score == 0
+    assert report.error == ("the kernel 'python3' did not run the notebook after 3 starts "
+                            "(RuntimeError: Kernel died before replying to kernel_info)")
+
+
 # --------------------------------------------------------------------------- #
 # The checks on their own (no kernel): tolerances and messages
 # --------------------------------------------------------------------------- #

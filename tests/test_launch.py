@@ -126,9 +126,18 @@ def test_a_rank_that_raises_is_reported_with_its_traceback():
 
 @pytest.fixture(params=["forked", "starter"])
 def ranks_from(request, monkeypatch):
-    """Run the test with ranks forked by this process, and again forked by the starter (fresh.py)."""
+    """Run the test with ranks forked by this process, and again forked by the starter (fresh.py).
+
+    The starter is started before the test: its first start imports torch and the course (18 s on the
+    GPU machine of 2026-11-27, with 14 pytest workers), which a test timing its launch should not count."""
     monkeypatch.setenv("DTCOURSE_FRESH_RANKS", "1" if request.param == "starter" else "0")
+    if request.param == "starter":
+        assert launch(_rank_number, 2, backend="gloo", timeout=60) == [0, 1]
     return request.param
+
+
+def _rank_number() -> int:
+    return dist.get_rank()
 
 
 def test_a_hang_raises_timeout_naming_the_stuck_ranks_and_where_they_were(ranks_from):
@@ -449,15 +458,23 @@ def test_a_parent_whose_cuda_driver_is_initialised_starts_fresh_ranks(monkeypatc
 @pytest.mark.gpu
 @pytest.mark.skipif(gpu_count() == 0, reason="needs CUDA")
 def test_after_the_parent_asked_the_cuda_runtime_forked_cpu_ranks_still_step_adam():
-    torch._C._cuda_getDeviceCount()              # the runtime's own count: initialises the driver
-    assert not torch.cuda.is_initialized()       # torch's lazy init has not run: only the driver knows
+    # A new Python: in this one, an earlier GPU test may have initialised torch.cuda already.
+    script = textwrap.dedent("""
+        import torch, torch.distributed as dist
+        from dtcourse import launch
+        torch._C._cuda_getDeviceCount()              # the runtime's own count: initialises the driver
+        assert not torch.cuda.is_initialized()       # torch's lazy init has not run: only the driver knows
 
-    def rank():
-        model = torch.nn.Linear(2, 2)
-        model(torch.ones(1, 2)).sum().backward()
-        torch.optim.Adam(model.parameters()).step()
-        return True
-    assert launch(rank, 2, backend="gloo", timeout=120) == [True, True]
+        def rank():
+            model = torch.nn.Linear(2, 2)
+            model(torch.ones(1, 2)).sum().backward()
+            torch.optim.Adam(model.parameters()).step()
+            return dist.get_rank()
+        if __name__ == "__main__":
+            print("ranks", launch(rank, 2, backend="gloo", timeout=120))
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "ranks [0, 1]" in done.stdout, done.stdout + done.stderr
 
 
 def test_ranks_from_the_starter_report_like_forked_ones_and_leave_nothing_behind(monkeypatch, capsys):

@@ -131,7 +131,7 @@ def memory_section() -> None:
     batch = token_batch(config, 4, seed=0)
     print(f"\n2. One Adam step's bytes (lesson 00): GPT n_layer={config.n_layer} d_model={config.d_model} "
           f"seq {config.block_size} batch 4, on cuda")
-    head = f"{'':<26}{'params':>10}{'grads':>10}{'opt+master':>11}{'activations':>12}  (MiB)"
+    head = f"{'':<36}{'params':>10}{'grads':>10}{'opt+master':>11}{'activations':>12}  (MiB)"
     print(head + "\n" + "-" * len(head))
     for mixed in (None, torch.bfloat16):
         model = GPT(config, seed=0)
@@ -142,7 +142,7 @@ def memory_section() -> None:
                                                    by="allocator")),
                        ("tensors", measure_step(model, batch, lm_loss, mixed_dtype=mixed, device="cuda")),
                        ("formula", predicted)):
-            print(f"{label + ', ' + how:<26}{m.params / 2**20:>10.2f}{m.grads / 2**20:>10.2f}"
+            print(f"{label + ', ' + how:<36}{m.params / 2**20:>10.2f}{m.grads / 2**20:>10.2f}"
                   f"{m.optimizer_states / 2**20:>11.2f}{m.activations / 2**20:>12.2f}")
 
 
@@ -164,7 +164,7 @@ def mixed_precision_section(repeats: int) -> None:
     c = BENCH_GPT
     print(f"\n3. Mixed precision (lesson 04): GPT n_layer={c.n_layer} d_model={c.d_model} seq {c.block_size} "
           f"batch {BATCH}, Adam, one step = forward, backward, step")
-    head = f"{'recipe':<28}{'step ms':>9}{'vs fp32':>9}{'peak MiB':>10}{'skipped':>9}"
+    head = f"{'recipe':<34}{'step ms':>9}{'vs fp32':>9}{'peak MiB':>10}{'skipped':>9}"
     print(head + "\n" + "-" * len(head))
     base = None
     for name, recipe in recipes.items():
@@ -178,7 +178,7 @@ def mixed_precision_section(repeats: int) -> None:
         ms = _median_ms(step, repeats)
         peak = _peak_mib(step)
         base = base or ms
-        print(f"{name:<28}{ms:>9.2f}{ms / base:>8.2f}x{peak:>10.0f}{stepped.count(False):>9}")
+        print(f"{name:<34}{ms:>9.2f}{ms / base:>8.2f}x{peak:>10.0f}{stepped.count(False):>9}")
         del trainer
         torch.cuda.empty_cache()
 
@@ -196,7 +196,7 @@ def checkpointing_section(repeats: int) -> None:
     x, y = (t.cuda() for t in token_batch(c, BATCH, seed=0))
     print(f"\n4. Checkpointing (lesson 05): GPT n_layer={c.n_layer} d_model={c.d_model} seq {c.block_size} "
           f"batch {BATCH}, forward + backward")
-    head = f"{'policy':<28}{'step ms':>9}{'vs none':>9}{'peak MiB':>10}"
+    head = f"{'policy':<34}{'step ms':>9}{'vs none':>9}{'peak MiB':>10}"
     print(head + "\n" + "-" * len(head))
     base = None
     for policy in POLICIES:
@@ -207,7 +207,7 @@ def checkpointing_section(repeats: int) -> None:
             model.zero_grad(set_to_none=True)
         ms, peak = _median_ms(step, repeats), _peak_mib(step)
         base = base or ms
-        print(f"{policy:<28}{ms:>9.2f}{ms / base:>8.2f}x{peak:>10.0f}")
+        print(f"{policy:<34}{ms:>9.2f}{ms / base:>8.2f}x{peak:>10.0f}")
         del model
     torch.manual_seed(0)
     layers = nn.Sequential(*[nn.Sequential(nn.Linear(4096, 4096), nn.GELU()) for _ in range(8)]).cuda()
@@ -219,7 +219,7 @@ def checkpointing_section(repeats: int) -> None:
             for layer in layers:
                 out = fn(layer, out)
             out.sum().backward()
-        print(f"{name + ', 8 layers':<28}{_median_ms(step, repeats):>9.2f}{'':>9}{_peak_mib(step):>10.0f}")
+        print(f"{name + ', 8 layers':<34}{_median_ms(step, repeats):>9.2f}{'':>9}{_peak_mib(step):>10.0f}")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -53,6 +53,10 @@ from nbclient import NotebookClient
 from dtcourse.grading import audit, exercises
 
 DEFAULT_CELL_TIMEOUT = 300.0  # seconds; each check bounds itself far below this
+# A kernel that dies before its first cell is started again, up to this many starts in all. Kernels started at
+# once (a class graded in parallel) can race for a port: jupyter_client picks free ports and the kernel binds them
+# later, so another may take one in between ("Address already in use"; seen with 14 graders on 16 cores).
+KERNEL_STARTS = 3
 
 
 @dataclass
@@ -163,23 +167,28 @@ def grade_notebook(path: str | os.PathLike, source: str | os.PathLike | None = N
                                                           evalue=reply.get("evalue", ""), traceback=[]))
 
     env = dict(os.environ, DTCOURSE_CHECK_TIMEOUT=str(check_timeout)) if check_timeout else None
-    client = NotebookClient(
-        nb, timeout=max(1, round(cell_timeout)), kernel_name=kernel_name, allow_errors=True,
-        interrupt_on_timeout=True, resources={"metadata": {"path": str(path.parent.resolve())}},
-        error_on_timeout={"ename": "CellTimeoutError", "traceback": [],
-                          "evalue": f"the cell ran longer than {cell_timeout:g} s and was interrupted"},
-        on_cell_executed=on_cell_executed,
-        # The kernel's own warnings (ipykernel's "running over TCP without encryption" on every
-        # start) would be the first line a student reads; errors still show.
-        extra_arguments=["--IPKernelApp.log_level=ERROR"])
     stopped = ""
-    try:
-        client.execute(**({"env": env} if env else {}))
-    except Exception as err:  # the kernel died, or never started
-        stopped = f"{type(err).__name__}: {_first_line(str(err))}"
-        if not executed:
-            report.error = f"the kernel {kernel_name!r} did not run the notebook ({stopped})"
-            return report
+    for start in range(1, KERNEL_STARTS + 1):
+        client = NotebookClient(
+            nb, timeout=max(1, round(cell_timeout)), kernel_name=kernel_name, allow_errors=True,
+            interrupt_on_timeout=True, resources={"metadata": {"path": str(path.parent.resolve())}},
+            error_on_timeout={"ename": "CellTimeoutError", "traceback": [],
+                              "evalue": f"the cell ran longer than {cell_timeout:g} s and was interrupted"},
+            on_cell_executed=on_cell_executed,
+            # The kernel's own warnings (ipykernel's "running over TCP without encryption" on every
+            # start) would be the first line a student reads; errors still show.
+            extra_arguments=["--IPKernelApp.log_level=ERROR"])
+        try:
+            client.execute(**({"env": env} if env else {}))
+        except Exception as err:  # the kernel died, or never started
+            stopped = f"{type(err).__name__}: {_first_line(str(err))}"
+            if not executed:
+                if start < KERNEL_STARTS:
+                    continue        # died before its first cell: started again (see KERNEL_STARTS)
+                report.error = (f"the kernel {kernel_name!r} did not run the notebook after {KERNEL_STARTS} "
+                                f"starts ({stopped})")
+                return report
+        break
     _score(nb, executed, stopped, report, self_check)
     return report
 
