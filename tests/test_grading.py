@@ -203,42 +203,31 @@ def test_wrong_answer_names_rank_index_expected_and_got(broken_report):
         assert float(found[2]) - float(found[1]) == pytest.approx(1.0, abs=1e-3)
 
 
-def test_a_hanging_cell_is_interrupted_and_grading_goes_on(tmp_path):
-    source = tmp_path / "solutions" / "02_sleepy.ipynb"
-    source.parent.mkdir()
-    meta = {"grade": False, "grade_id": "answer", "locked": False, "schema_version": 3, "solution": True}
-    test = {"grade": True, "grade_id": "test", "locked": False, "points": 1, "schema_version": 3,
-            "solution": False}
-    nb = {"cells": [{"cell_type": "code", "execution_count": None, "id": "a", "metadata": {"nbgrader": meta},
-                     "outputs": [], "source": "import time\nx = 1\ntime.sleep(600)"},
-                    {"cell_type": "code", "execution_count": None, "id": "b", "metadata": {"nbgrader": test},
-                     "outputs": [], "source": "assert x == 1"}],
-          "metadata": {"kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"}},
-          "nbformat": 4, "nbformat_minor": 5}
-    source.write_text(json.dumps(nb))
-    start = time.monotonic()
-    report = grade_notebook(source, source=source, cell_timeout=3)
-    assert time.monotonic() - start < 60
-    assert report.exit_code == 0 and report.score == 1, str(report)
-    assert any("(answer) raised CellTimeoutError: the cell ran longer than 3 s" in note
-               for note in report.notes), report.notes
-
-
-def _tiny_source(tmp_path: Path) -> Path:
-    """An instructor's notebook of one answer cell and one test cell worth a point."""
+def _tiny_source(tmp_path: Path, answer: str = "x = 1") -> Path:
+    """An instructor's notebook: an answer cell (``answer``), and a test cell worth a point, ``assert x == 1``."""
     source = tmp_path / "solutions" / "02_tiny.ipynb"
     source.parent.mkdir()
     meta = {"grade": False, "grade_id": "answer", "locked": False, "schema_version": 3, "solution": True}
     test = {"grade": True, "grade_id": "test", "locked": False, "points": 1, "schema_version": 3,
             "solution": False}
     nb = {"cells": [{"cell_type": "code", "execution_count": None, "id": "a", "metadata": {"nbgrader": meta},
-                     "outputs": [], "source": "x = 1"},
+                     "outputs": [], "source": answer},
                     {"cell_type": "code", "execution_count": None, "id": "b", "metadata": {"nbgrader": test},
                      "outputs": [], "source": "assert x == 1"}],
           "metadata": {"kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"}},
           "nbformat": 4, "nbformat_minor": 5}
     source.write_text(json.dumps(nb))
     return source
+
+
+def test_a_hanging_cell_is_interrupted_and_grading_goes_on(tmp_path):
+    source = _tiny_source(tmp_path, "import time\nx = 1\ntime.sleep(600)")
+    start = time.monotonic()
+    report = grade_notebook(source, source=source, cell_timeout=3)
+    assert time.monotonic() - start < 60
+    assert report.exit_code == 0 and report.score == 1, str(report)
+    assert any("(answer) raised CellTimeoutError: the cell ran longer than 3 s" in note
+               for note in report.notes), report.notes
 
 
 def test_a_kernel_that_dies_before_its_first_cell_is_started_again(tmp_path, monkeypatch):
