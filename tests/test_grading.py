@@ -206,7 +206,7 @@ def test_wrong_answer_names_rank_index_expected_and_got(broken_report):
 def _tiny_source(tmp_path: Path, answer: str = "x = 1") -> Path:
     """An instructor's notebook: an answer cell (``answer``), and a test cell worth a point, ``assert x == 1``."""
     source = tmp_path / "solutions" / "02_tiny.ipynb"
-    source.parent.mkdir()
+    source.parent.mkdir(parents=True)
     meta = {"grade": False, "grade_id": "answer", "locked": False, "schema_version": 3, "solution": True}
     test = {"grade": True, "grade_id": "test", "locked": False, "points": 1, "schema_version": 3,
             "solution": False}
@@ -234,9 +234,9 @@ def test_a_kernel_that_dies_before_its_first_cell_is_started_again(tmp_path, mon
     """Fourteen graders at once on the GPU machine (2026-11-27): a kernel lost its port to another one
     ("Address already in use") and died before kernel_info; the notebook scored 0 with an error."""
     import dtcourse.grading.grade as grade
-    starts = []
+    starts, real = [], grade.NotebookClient
 
-    class DiesFirst(grade.NotebookClient):
+    class DiesFirst(real):
         def execute(self, **kwargs):
             starts.append(1)
             if len(starts) == 1:
@@ -247,7 +247,7 @@ def test_a_kernel_that_dies_before_its_first_cell_is_started_again(tmp_path, mon
     report = grade_notebook(source, source=source, cell_timeout=60)
     assert len(starts) == 2 and report.exit_code == 0 and report.score == 1, str(report)
 
-    class NeverStarts(grade.NotebookClient):
+    class NeverStarts(real):
         def execute(self, **kwargs):
             starts.append(1)
             raise RuntimeError("Kernel died before replying to kernel_info")
@@ -257,6 +257,18 @@ def test_a_kernel_that_dies_before_its_first_cell_is_started_again(tmp_path, mon
     assert len(starts) == grade.KERNEL_STARTS == 3 and report.score == 0
     assert report.error == ("the kernel 'python3' did not run the notebook after 3 starts "
                             "(RuntimeError: Kernel died before replying to kernel_info)")
+
+    # a kernel that the student's own first cell kills is not started again: that cell would only kill it again
+    class Counts(real):
+        def execute(self, **kwargs):
+            starts.append(1)
+            return super().execute(**kwargs)
+    monkeypatch.setattr(grade, "NotebookClient", Counts)
+    starts.clear()
+    killer = _tiny_source(tmp_path / "killer", "import os\nos._exit(1)")
+    report = grade_notebook(killer, source=killer, cell_timeout=60)
+    assert len(starts) == 1 and report.score == 0
+    assert report.error.startswith("the kernel 'python3' did not run the notebook ("), report.error
 
 
 # --------------------------------------------------------------------------- #

@@ -53,7 +53,7 @@ from nbclient import NotebookClient
 from dtcourse.grading import audit, exercises
 
 DEFAULT_CELL_TIMEOUT = 300.0  # seconds; each check bounds itself far below this
-# A kernel that dies before its first cell is started again, up to this many starts in all. Kernels started at
+# A kernel that dies before its first cell begins is started again, up to this many starts in all. Kernels started at
 # once (a class graded in parallel) can race for a port: jupyter_client picks free ports and the kernel binds them
 # later, so another may take one in between ("Address already in use"; seen with 14 graders on 16 cores).
 KERNEL_STARTS = 3
@@ -156,6 +156,7 @@ def grade_notebook(path: str | os.PathLike, source: str | os.PathLike | None = N
     report.flagged = [str(f) for f in audit.audit_notebook(nb)]
 
     executed: set[int] = set()
+    started: set[int] = set()          # cells the kernel began; none: it died while starting (KERNEL_STARTS)
 
     def on_cell_executed(cell: nbformat.NotebookNode, cell_index: int, execute_reply: dict, **_) -> None:
         # As nbgrader's Execute: an error only the reply knows of (a timeout) becomes an output.
@@ -174,7 +175,7 @@ def grade_notebook(path: str | os.PathLike, source: str | os.PathLike | None = N
             interrupt_on_timeout=True, resources={"metadata": {"path": str(path.parent.resolve())}},
             error_on_timeout={"ename": "CellTimeoutError", "traceback": [],
                               "evalue": f"the cell ran longer than {cell_timeout:g} s and was interrupted"},
-            on_cell_executed=on_cell_executed,
+            on_cell_executed=on_cell_executed, on_cell_start=lambda cell_index, **_: started.add(cell_index),
             # The kernel's own warnings (ipykernel's "running over TCP without encryption" on every
             # start) would be the first line a student reads; errors still show.
             extra_arguments=["--IPKernelApp.log_level=ERROR"])
@@ -182,11 +183,11 @@ def grade_notebook(path: str | os.PathLike, source: str | os.PathLike | None = N
             client.execute(**({"env": env} if env else {}))
         except Exception as err:  # the kernel died, or never started
             stopped = f"{type(err).__name__}: {_first_line(str(err))}"
+            if not started and start < KERNEL_STARTS:
+                continue            # died before its first cell: started again (see KERNEL_STARTS)
             if not executed:
-                if start < KERNEL_STARTS:
-                    continue        # died before its first cell: started again (see KERNEL_STARTS)
-                report.error = (f"the kernel {kernel_name!r} did not run the notebook after {KERNEL_STARTS} "
-                                f"starts ({stopped})")
+                tries = f" after {start} starts" if start > 1 else ""
+                report.error = f"the kernel {kernel_name!r} did not run the notebook{tries} ({stopped})"
                 return report
         break
     _score(nb, executed, stopped, report, self_check)
