@@ -163,16 +163,20 @@ def _recording_posts():
         dist.isend, dist.irecv = real["send"], real["recv"]
 
 
+def _arange_case(numel):
+    """This rank's input, 0..numel-1 plus its rank, and the exact sum over the ranks that an all-reduce must give."""
+    world = dist.get_world_size()
+    return torch.arange(float(numel)) + dist.get_rank(), torch.arange(float(numel)) * world + world * (world - 1) / 2
+
+
 def _posts(slices, numel):
     """The order in which one rank posts its messages in a ring all-reduce, then in a ring all-gather:
     ("send" or "recv", tag) for each isend and irecv."""
-    world = dist.get_world_size()
-    x = torch.arange(float(numel)) + dist.get_rank()
+    x, expected = _arange_case(numel)
     with _recording_posts() as all_reduce_posts:
         ring_all_reduce(x, slices=slices)
     with _recording_posts() as all_gather_posts:
-        ring_all_gather(torch.empty(world * 7), torch.ones(7))
-    expected = torch.arange(float(numel)) * world + world * (world - 1) / 2
+        ring_all_gather(torch.empty(dist.get_world_size() * 7), torch.ones(7))
     return ([p[:2] for p in all_reduce_posts], [p[:2] for p in all_gather_posts]), torch.equal(x, expected)
 
 
@@ -194,11 +198,9 @@ def test_the_all_gather_receives_are_posted_before_the_reduce_scatter_starts(wor
 
 def _blocked_rounds(numel, chunk_bytes):
     """One rank's posts and sent messages in ``ring_all_reduce(x, chunk_bytes=...)``, and whether the sum is right."""
-    world, counter = dist.get_world_size(), ByteCounter()
-    x = torch.arange(float(numel)) + dist.get_rank()
+    (x, expected), counter = _arange_case(numel), ByteCounter()
     with _recording_posts() as posted:
         ring_all_reduce(x, chunk_bytes=chunk_bytes, counter=counter)
-    expected = torch.arange(float(numel)) * world + world * (world - 1) / 2
     return posted, counter.messages, torch.equal(x, expected)
 
 
