@@ -40,9 +40,15 @@ lab-instructor: setup
 # survive a student's loaded laptop. The solutions run on a quiet machine.
 NBVAL = --nbval-lax --nbval-current-env --nbval-cell-timeout=300 -p no:randomly
 
+# The test files run on TEST_JOBS pytest-xdist workers, each file whole on one worker (--dist loadfile:
+# a module's fixtures run once). Most tests wait for ranks, kernels or torchrun to start, so one worker
+# keeps about one core busy; two took 359 s where one took 572 s on the 2-core box. TEST_JOBS=1: serial.
+TEST_JOBS ?= 2
+TEST_XDIST = $(if $(filter-out 1,$(TEST_JOBS)),-n $(TEST_JOBS) --dist loadfile,)
+
 test: setup
 	@$(PY) -m dtcourse.exercises --check
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(TEST_XDIST) tests
 	OMP_NUM_THREADS=1 $(PY) tests/busy.py -- $(PY) -m pytest -q $(NBVAL) lessons
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(NBVAL) solutions
 
