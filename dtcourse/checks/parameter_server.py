@@ -293,13 +293,20 @@ def check_staleness_bound(cls: Callable, bounds: Sequence[int] = (1,), world_siz
                                  f"{problem}")
 
 
+# The first worker of check_sync_parity sleeps this long in every iteration, so that a server that answers a
+# worker before the others have pushed lets it run visibly ahead (_leads, seen from the workers' clocks). On two
+# busy cores 10 ms was sometimes too short: the others had not yet been scheduled, no lead showed, and only the
+# parameters' difference named the fault (1 run in 60 beside tests/busy.py; none in 40 with 50 ms).
+PARITY_DELAY = 0.05
+
+
 def check_sync_parity(cls: Callable, world_sizes: Sequence[tuple[int, int]] = ((3, 1),),
                       timeout: float | None = None) -> None:
     """With s = 0 the run must equal one process on the averaged gradients, within ``PS_TOL``.
     ``world_sizes`` lists ``(world_size, num_servers)`` pairs."""
     for world_size, servers in world_sizes:
         config = PSConfig(world_size=world_size, num_servers=servers, mode="ssp", bound=0, steps=4, lr=0.2,
-                          delays=(0.01,) + (0.0,) * (world_size - servers - 1))
+                          delays=(PARITY_DELAY,) + (0.0,) * (world_size - servers - 1))
         run = _run(cls, config, timeout)
         problem = _bound_problem(run)
         if problem is None:
