@@ -40,15 +40,17 @@ lab-instructor: setup
 # survive a student's loaded laptop. The solutions run on a quiet machine.
 NBVAL = --nbval-lax --nbval-current-env --nbval-cell-timeout=300 -p no:randomly
 
-# The test files run on TEST_JOBS pytest-xdist workers, each file whole on one worker (--dist loadfile:
-# a module's fixtures run once). Most tests wait for ranks, kernels or torchrun to start, so one worker
-# keeps about one core busy; two took 359 s where one took 572 s on the 2-core box. TEST_JOBS=1: serial.
+# $(call workers,N,MODE): pytest-xdist's options for N workers dealing out tests by MODE; none for N = 1.
+workers = $(if $(filter-out 1,$(1)),-n $(1) --dist $(2),)
+
+# The test files run on TEST_JOBS workers, each file whole on one worker (loadfile: a module's fixtures
+# run once). Most tests wait for ranks, kernels or torchrun to start, so one worker keeps about one core
+# busy; two took 359 s where one took 572 s on the 2-core box. TEST_JOBS=1: one after another.
 TEST_JOBS ?= 2
-TEST_XDIST = $(if $(filter-out 1,$(TEST_JOBS)),-n $(TEST_JOBS) --dist loadfile,)
 
 test: setup
 	@$(PY) -m dtcourse.exercises --check
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(TEST_XDIST) tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(call workers,$(TEST_JOBS),loadfile) tests
 	OMP_NUM_THREADS=1 $(PY) tests/busy.py -- $(PY) -m pytest -q $(NBVAL) lessons
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(NBVAL) solutions
 
@@ -66,11 +68,10 @@ bench: setup
 # already has a CUDA build of torch instead of the venv; JOBS>1 needs pytest-xdist there.
 GPU_PY ?= $(PY)
 JOBS   ?= 1
-XDIST   = $(if $(filter-out 1,$(JOBS)),-n $(JOBS),)
 gpu-check: $(if $(filter $(PY),$(GPU_PY)),setup,)
 	$(GPU_PY) -m dtcourse.bench.gpu
-	OMP_NUM_THREADS=1 $(GPU_PY) -m pytest -q -rf $(XDIST) tests
-	OMP_NUM_THREADS=1 $(GPU_PY) -m pytest -q -rf $(XDIST) $(if $(XDIST),--dist loadscope,) $(NBVAL) lessons solutions
+	OMP_NUM_THREADS=1 $(GPU_PY) -m pytest -q -rf $(call workers,$(JOBS),loadfile) tests
+	OMP_NUM_THREADS=1 $(GPU_PY) -m pytest -q -rf $(call workers,$(JOBS),loadscope) $(NBVAL) lessons solutions
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -98,38 +98,15 @@ def untouched_gradings(request, tmp_path_factory) -> dict:
 
     An untouched exercise fails at once, so a grading is mostly two interpreters starting (the grader and
     its kernel); two in parallel took half the time of one after the other on the 2-core machine.
-    Under pytest-xdist with the tests of a file spread over workers (not ``--dist loadfile``, which ``make
-    test`` uses), each worker would see every test selected: there each grading is made when asked for.
+    Under pytest-xdist keep this file on one worker (``--dist loadfile``, as ``make test`` and ``make
+    gpu-check`` do): each worker sees every test as selected, so workers sharing the file would each grade all.
     """
-    root = tmp_path_factory.mktemp("untouched")
-    if not _whole_file_here(request.config):
-        return _OnDemand(lambda name: _grade_untouched(root / name, name))
     selected = [item.callspec.params["name"] for item in request.session.items
                 if getattr(item, "originalname", "") == "test_untouched_exercise_scores_zero_with_a_clear_report"]
+    root = tmp_path_factory.mktemp("untouched")
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures = {name: pool.submit(_grade_untouched, root / name, name) for name in selected}
     return {name: future.result() for name, future in futures.items()}
-
-
-def _whole_file_here(config) -> bool:
-    """Whether this process runs every selected test of this file: no pytest-xdist, or a worker of ``--dist
-    loadfile`` or ``loadscope`` (a worker's own options say ``dist=no``; the command line says which)."""
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
-        return True
-    argv = " ".join(getattr(config, "workerinput", {}).get("mainargv", []))
-    return re.search(r"--dist[= ](loadfile|loadscope)\b", argv) is not None
-
-
-class _OnDemand(dict):
-    """A dict that makes a missing value with ``make(key)`` when it is first asked for."""
-
-    def __init__(self, make):
-        super().__init__()
-        self.make = make
-
-    def __missing__(self, key):
-        self[key] = self.make(key)
-        return self[key]
 
 
 @pytest.mark.parametrize("name", NAMES)

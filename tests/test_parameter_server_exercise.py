@@ -126,12 +126,7 @@ def test_ignoring_the_bound_fails_only_the_bound_and_parity_checks(tmp_path):
     # one can fall further behind), so the message must name a worker, not necessarily worker 2.
     assert re.search(r"worker \d received the parameters of iteration \d+ when worker \d had sent only \d+ "
                      r"pushes: .* more than s = 1", message), message
-    # Seen from the workers' clocks, the server's answer ahead of the bound shows as a lead; on a loaded
-    # machine the other worker may not have been scheduled before it pushed, and then only the parameters'
-    # difference names the fault (rarely, with check_sync_parity's PARITY_DELAY). Either way it fails.
-    parity = result["check_parity"].message
-    numbers = r"after 4 iterations the parameters differ from one process on the averaged gradients by up to \S+ \("
-    assert "more than s = 0" in parity or re.search(numbers, parity), parity
+    assert "more than s = 0" in result["check_parity"].message, result["check_parity"].message
 
 
 def test_a_barrier_each_round_scores_under_half(tmp_path):
