@@ -208,38 +208,148 @@ def test_other_loss_is_refused():
 # --------------------------------------------------------------------------- #
 # Sequence parallelism's LayerNorm gradients, and the loss itself
 # --------------------------------------------------------------------------- #
-def _forgetful_and_loss():
-    import copy
+def _padded_batches(cfg):
+    """The usual batches with some targets set to -100, F.cross_entropy's ignore_index (padding)."""
+    out = []
+    for x, y in _batches(cfg):
+        y = y.clone()
+        y[0, 3:] = -100                                       # a padded tail
+        y[-1, 0] = -100                                       # and one position alone
+        out.append((x, y))
+    return out
+
+
+def _padded_parity():
+    return check_parity(lambda: GPT(CFG, seed=0), {"TP": _tp(False), "TP+SP": _tp(True)}, _padded_batches(CFG),
+                        lm_loss, adamw, tolerance=ONE_PROCESS, split=whole_batch)
+
+
+@pytest.mark.parametrize("t", [2, 3])
+def test_padded_targets_are_ignored_as_f_cross_entropy_ignores_them(t):
+    """Before the fix a target of -100 was an ordinary id: the loss differed from lm_loss at the first step."""
+    report = launch(_padded_parity, t, timeout=120)[0]
+    assert report.steps == STEPS and report.worst("ranks") == 0.0
+
+
+def _per_token_losses():
+    import torch.nn.functional as F
+    from dtcourse.tensor_parallel import parallelize, vocab_parallel_cross_entropy, vocab_parallel_lm_loss
+    x, y = _padded_batches(CFG)[0]
+    serial = GPT(CFG, seed=0)(x)
+    logits = parallelize(GPT(CFG, seed=0), None)(x)                           # (B, T, V/t)
+    start = torch.distributed.get_rank() * logits.shape[-1]
+    mine = vocab_parallel_cross_entropy(logits, y, start, None)
+    theirs = F.cross_entropy(serial.flatten(0, 1), y.flatten(), reduction="none").view_as(y)
+    all_ignored = vocab_parallel_lm_loss(logits, torch.full_like(y, -100), None)
+    return (mine - theirs).abs().max().item(), mine[y == -100].abs().max().item(), all_ignored.isnan().item()
+
+
+def test_per_token_losses_are_zero_where_ignored_and_nan_when_all_are():
+    for diff, ignored, nan in launch(_per_token_losses, 2, timeout=60):
+        assert ignored == 0.0 and nan                 # F.cross_entropy: 0 per ignored token, NaN mean of none
+        assert diff < 1e-5                            # three reductions in another order: a few ulps of ~3.9
+
+
+def _out_of_vocabulary():
     from dtcourse.tensor_parallel import parallelize, vocab_parallel_lm_loss
-    x, y = token_batch(CFG, B)
+    x, y = token_batch(CFG, 2)
+    model = parallelize(GPT(CFG, seed=0), None)
+    errors = []
+    for idx, targets in ((x.masked_fill(x == x[0, 0], CFG.vocab_size), y), (x, y.masked_fill(y == y[0, 0], 48)),
+                         (x, y.masked_fill(y == y[0, 0], -5))):
+        try:
+            vocab_parallel_lm_loss(model(idx), targets, None)
+        except IndexError as err:
+            errors.append(str(err))
+        else:
+            errors.append("no error")
+    return errors
+
+
+def test_out_of_vocabulary_ids_raise_as_nn_embedding_and_f_cross_entropy_do():
+    """Before the fix the embedding looked up zeros for id 48 and the loss accepted 48 and -5."""
     serial = GPT(CFG, seed=0)
-    loss = lm_loss(serial(x), y)
-    parallel = parallelize(copy.deepcopy(serial), None)
-    loss_diff = (vocab_parallel_lm_loss(parallel(x), y, None) - loss).abs().item()
+    x, y = token_batch(CFG, 2)
+    with pytest.raises(IndexError):                                    # what one process does
+        serial(x.masked_fill(x == x[0, 0], CFG.vocab_size))
+    with pytest.raises(IndexError):
+        lm_loss(serial(x), y.masked_fill(y == y[0, 0], 48))
+    for embedding, target, negative in launch(_out_of_vocabulary, 2, timeout=60):
+        assert embedding.startswith("token id 48 is out of range for the embedding of vocabulary size 48: every "
+                                    "token id must be in [0, 47]"), embedding
+        assert target.startswith("target 48 is out of range for the loss of vocabulary size 48"), target
+        assert "(or -100, the ignore_index, to leave a position out)" in target
+        assert negative.startswith("target -5 is out of range"), negative
+
+
+def _sp_grads_without_being_asked():
+    import copy
+    from dtcourse.tensor_parallel import all_reduce_sequence_parallel_grads, parallelize, vocab_parallel_lm_loss
+    serial = GPT(CFG, seed=0)
+    parallel = parallelize(copy.deepcopy(serial), None, sequence_parallel=True)
+    batches = _batches(CFG)[:2]
+    for x, y in batches:                                   # two backwards, accumulated: the gradients of both
+        lm_loss(serial(x), y).backward()
+        vocab_parallel_lm_loss(parallel(x), y, None).backward()     # nothing else: the model sums its SP grads
+    replicated = dict(parallel.named_parameters())
+    worst = max((replicated[n].grad - p.grad).abs().max().item() for n, p in serial.named_parameters()
+                if getattr(replicated[n], "sequence_parallel", False))
+    try:
+        all_reduce_sequence_parallel_grads(parallel, None)
+    except ValueError as err:
+        return worst, str(err)
+    return worst, "no error"
+
+
+def test_a_sequence_parallel_model_sums_its_replicated_grads_after_every_backward():
+    """Before the fix, a backward without all_reduce_sequence_parallel_grads left each rank its partial sums."""
+    for worst, error in launch(_sp_grads_without_being_asked, 3, timeout=60):
+        assert worst < 1e-5                   # t partial sums added in another order than one process adds them
+        assert error.startswith("this model comes from parallelize(..., sequence_parallel=True), which already "
+                                "sums"), error
+
+
+def _hand_built():
+    """LayerNorm, then a column and a row layer under SP, built by hand: the function sums the LayerNorm's grads."""
+    import copy
+    from dtcourse.tensor_parallel import RowParallelLinear, all_reduce_sequence_parallel_grads
+    torch.manual_seed(0)
+    ln, fc, proj = nn.LayerNorm(8), nn.Linear(8, 12), nn.Linear(12, 8)
+    x = torch.randn(2, 6, 8)                                            # (B, T, C)
+    proj(fc(ln(x))).square().sum().backward()
+    rank, t = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    mine = copy.deepcopy(ln)
+    for p in mine.parameters():
+        p.grad, p.sequence_parallel = None, True
+    model = nn.Sequential(mine, ColumnParallelLinear(fc, None, sequence_parallel=True),
+                          RowParallelLinear(proj, None, sequence_parallel=True))
+    out = model(x.chunk(t, dim=1)[rank])                                # (B, T/t, C)
+    out.square().sum().backward()
+    partial = (mine.weight.grad - ln.weight.grad).abs().max().item()
+    all_reduce_sequence_parallel_grads(model, None)
+    return partial, (mine.weight.grad - ln.weight.grad).abs().max().item()
+
+
+def test_the_function_still_sums_the_grads_of_hand_built_layers():
+    for partial, summed in launch(_hand_built, 2, timeout=60):
+        assert partial > 1e-3 and summed < 1e-5
+
+
+def _forgetful():
     # Megatron's easy mistake: sum the row biases' partial gradients but forget the LayerNorms'
     import importlib
     tp_module = importlib.import_module("dtcourse.tensor_parallel.parallelize")   # the package's name is the function
-    all_reduce = tp_module.all_reduce_sequence_parallel_grads
-
-    def forget_layernorms(model, group, traffic=None):
-        norms = [p for m in model.modules() if isinstance(m, nn.LayerNorm) for p in m.parameters()]
-        for p in norms:
-            p.sequence_parallel = False
-        all_reduce(model, group, traffic)
-        for p in norms:
-            p.sequence_parallel = True
-
-    tp_module.all_reduce_sequence_parallel_grads = forget_layernorms    # in this rank's process only
-    try:
+    chosen = tp_module.sequence_parallel_parameters
+    norms = lambda model: {id(p) for m in model.modules() if isinstance(m, nn.LayerNorm) for p in m.parameters()}
+    tp_module.sequence_parallel_parameters = lambda model: [p for p in chosen(model) if id(p) not in norms(model)]
+    try:                                                                # in this rank's process only
         check_parity(lambda: GPT(CFG, seed=0), _tp(True), _batches(CFG), lm_loss, adamw, tolerance=ONE_PROCESS,
                      split=whole_batch)
     except AssertionError as err:
-        return loss_diff, str(err)
-    return loss_diff, "no error"
+        return str(err)
+    return "no error"
 
 
-def test_sequence_parallel_needs_layernorm_grads_all_reduced():
-    loss_diff, message = launch(_forgetful_and_loss, 2, timeout=60)[0]
-    # three reductions in another order than F.cross_entropy's: a few ulps of a loss near log(48) = 3.9
-    assert loss_diff < 1e-6
+def test_parity_catches_layernorm_grads_left_out_of_the_sum():
+    message = launch(_forgetful, 2, timeout=60)[0]
     assert message.startswith("parity fails at step 1 of 3: gradient '") and "ln_" in message.split(" on ")[0], message

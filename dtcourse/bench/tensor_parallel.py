@@ -12,7 +12,7 @@ step. Per layout (``TP``: Megatron's; ``TP+SP``: with sequence parallelism) it r
 own ``GPT(TP_GPT, seed=0)``:
 
 * ``dtcourse``: ``dtcourse.tensor_parallel.TensorParallel``'s model and optimizer, driven as its
-  ``forward_backward`` does (``vocab_parallel_lm_loss``, and under SP ``all_reduce_sequence_parallel_grads``)
+  ``forward_backward`` does (``vocab_parallel_lm_loss``; under SP its hook sums the replicated gradients)
   but without gathering the full logits, which it does for the parity check only.
 * ``DTensor``: ``dtcourse.parity.DTensorPlan`` (``parallelize_module`` with ``ColwiseParallel`` /
   ``RowwiseParallel``, ``SequenceParallel`` on the LayerNorms under SP, and ``loss_parallel``), likewise
@@ -60,7 +60,7 @@ def _adamw(params) -> torch.optim.Optimizer:
 
 
 def _ours(model: GPT, sp: bool) -> tuple[Step, Callable[[], int]]:
-    from dtcourse.tensor_parallel import TensorParallel, all_reduce_sequence_parallel_grads, vocab_parallel_lm_loss
+    from dtcourse.tensor_parallel import TensorParallel, vocab_parallel_lm_loss
 
     tp = TensorParallel(model, None, _adamw, sequence_parallel=sp)
 
@@ -68,9 +68,7 @@ def _ours(model: GPT, sp: bool) -> tuple[Step, Callable[[], int]]:
         tp.traffic.clear()                              # this step's collectives alone
         tp.zero_grad()
         logits = tp.model(idx)                          # (B, T, V/t): no gather of the full logits
-        vocab_parallel_lm_loss(logits, targets, tp.group, tp.traffic).backward()
-        if sp:
-            all_reduce_sequence_parallel_grads(tp.model, tp.group, tp.traffic)
+        vocab_parallel_lm_loss(logits, targets, tp.group, tp.traffic).backward()   # SP's grads summed by a hook
         tp.step()
     return step, lambda: tp.traffic.total("sent")
 

@@ -29,7 +29,7 @@ from dtcourse.tensor_parallel.communications import (
     Traffic, copy_to_tensor_parallel, gather_from_sequence_parallel, reduce_from_tensor_parallel,
     reduce_scatter_to_sequence_parallel)
 
-__all__ = ["check_divides", "shard_of", "gather_shards", "ColumnParallelLinear", "RowParallelLinear",
+__all__ = ["check_divides", "check_ids", "shard_of", "gather_shards", "ColumnParallelLinear", "RowParallelLinear",
            "VocabParallelEmbedding", "vocab_parallel_cross_entropy"]
 
 
@@ -124,7 +124,8 @@ class RowParallelLinear(nn.Module):
 
 class VocabParallelEmbedding(nn.Module):
     """Rows ``[rank V/t, (rank+1) V/t)`` of the embedding: ids outside them look up zeros, and the sum over
-    ranks (``g``, or a reduce-scatter to sequence shards under sequence parallelism) is the full lookup."""
+    ranks (``g``, or a reduce-scatter to sequence shards under sequence parallelism) is the full lookup.
+    An id outside ``[0, V)`` raises an IndexError, as ``nn.Embedding`` does."""
 
     def __init__(self, full: nn.Embedding, group: dist.ProcessGroup | None, *, sequence_parallel: bool = False,
                  traffic: Traffic | None = None, where: str = ""):
@@ -133,10 +134,14 @@ class VocabParallelEmbedding(nn.Module):
         check_divides(t, full.num_embeddings, "vocabulary size")
         self.group, self.sequence_parallel, self.traffic, self.where = group, sequence_parallel, traffic, where
         per_rank = full.num_embeddings // t
+        self.num_embeddings = full.num_embeddings
         self.vocab_start, self.vocab_end = rank * per_rank, (rank + 1) * per_rank
         self.weight = _split_parameter(full.weight, 0, rank, t)      # (V/t, C)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        # An id outside [0, V) would look up zeros on every rank and sum to a zero vector: raise as nn.Embedding
+        # does. Every rank holds the same ids, so every rank raises, before any collective.
+        check_ids(idx, self.num_embeddings, "token id", "the embedding")
         outside = (idx < self.vocab_start) | (idx >= self.vocab_end)             # (B, T)
         local = (idx - self.vocab_start).masked_fill(outside, 0)                 # (B, T), in [0, V/t)
         x = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)   # (B, T, C), zero outside
@@ -162,21 +167,38 @@ class _AllReduceMax(torch.autograd.Function):
         return None, None, None, None
 
 
+def check_ids(ids: torch.Tensor, V: int, what: str, where: str, ignore_index: int | None = None) -> None:
+    """Raise an IndexError, as ``nn.Embedding`` and ``F.cross_entropy`` do, if an id (other than
+    ``ignore_index``) is outside ``[0, V)``; the message names the first such id and what to change."""
+    bad = (ids < 0) | (ids >= V)
+    if ignore_index is not None:
+        bad &= ids != ignore_index
+    if bad.any():
+        first = ids[bad][0].item()
+        skip = "" if ignore_index is None else f" (or {ignore_index}, the ignore_index, to leave a position out)"
+        raise IndexError(f"{what} {first} is out of range for {where} of vocabulary size {V}: every {what} must "
+                         f"be in [0, {V - 1}]{skip}; check the tokenizer's vocabulary against GPTConfig.vocab_size.")
+
+
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int,
                                  group: dist.ProcessGroup | None, traffic: Traffic | None = None,
-                                 where: str = "loss") -> torch.Tensor:
+                                 where: str = "loss", ignore_index: int = -100) -> torch.Tensor:
     """Per-token cross-entropy from this rank's logits ``(..., V/t)`` over ids ``[vocab_start, vocab_start + V/t)``.
 
     Three all-reduces of one number per token (Shoeybi et al., section 3): the max (for stability), the sum
     of exponentials, and the target's logit (zero on every rank but the one that holds it). ``g``'s identity
-    backward is right for the two sums: every rank computes the same loss from them.
+    backward is right for the two sums: every rank computes the same loss from them. A target equal to
+    ``ignore_index`` (padding; -100 as in ``F.cross_entropy``) has loss 0 and no gradient; any other target
+    outside ``[0, V)`` raises an IndexError, on every rank alike, before any collective.
     """
     V_t = logits.shape[-1]
+    check_ids(targets, V_t * dist.get_world_size(group), "target", "the loss", ignore_index)
+    ignored = targets == ignore_index                                                # (...,)
     m = _AllReduceMax.apply(logits.detach().amax(dim=-1), group, traffic, where)       # (...,)
     shifted = logits - m.unsqueeze(-1)                                                # (..., V/t)
     sum_exp = reduce_from_tensor_parallel(shifted.exp().sum(dim=-1), group, traffic, where)   # (...,)
-    outside = (targets < vocab_start) | (targets >= vocab_start + V_t)                # (...,)
+    outside = (targets < vocab_start) | (targets >= vocab_start + V_t)                # (...,): ignored ones too
     local = (targets - vocab_start).masked_fill(outside, 0)
     mine = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)   # (...,)
     target_logit = reduce_from_tensor_parallel(mine, group, traffic, where)           # (...,)
-    return sum_exp.log() - target_logit                                               # (...,)
+    return (sum_exp.log() - target_logit).masked_fill(ignored, 0.0)                   # (...,): 0 where ignored

@@ -13,7 +13,9 @@ With ``sequence_parallel=True`` (Korthikanti et al., arXiv 2205.05198, section 4
 dropouts and the residual stream hold ``T/t`` positions per rank: an all-gather before each column layer,
 a reduce-scatter after each row layer and after the embedding, the same bytes as the all-reduces. The
 LayerNorm weights, the row layers' biases and ``wpe`` are replicated but each rank sees only its positions,
-so their gradients are partial sums: ``all_reduce_sequence_parallel_grads`` sums them after backward.
+so their gradients are partial sums. The model ``parallelize`` returns sums them over the group at the end of
+every backward by itself (``SequenceParallelGrads``, a hook; Megatron's training loop does the same for its
+users); ``all_reduce_sequence_parallel_grads`` does it once, for layers assembled by hand.
 
 **Dropout.** A dropout on a replicated tensor must drop the same elements on every rank, and one on a
 shard (attention's heads; under SP the sequence) must drop that shard's part of one mask. ``ShardedDropout``
@@ -32,6 +34,7 @@ Example, on every rank of ``group``::
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable, Iterable
 
 import torch
@@ -47,7 +50,8 @@ from dtcourse.tensor_parallel.layers import (
     vocab_parallel_cross_entropy)
 
 __all__ = ["parallelize", "vocab_parallel_lm_loss", "all_reduce_sequence_parallel_grads", "TensorParallel",
-           "PositionShard", "ShardedDropout", "tensor_parallel_group"]
+           "SequenceParallelGrads", "sequence_parallel_parameters", "PositionShard", "ShardedDropout",
+           "tensor_parallel_group"]
 
 
 class PositionShard(nn.Module):
@@ -145,6 +149,9 @@ def parallelize(gpt: GPT, group: dist.ProcessGroup | None = None, sequence_paral
     # 3. the head, split along the vocabulary
     _mark_sequence_parallel(gpt.ln_f, sequence_parallel)
     gpt.lm_head = ColumnParallelLinear(gpt.lm_head, group, where="lm_head", **sp)
+    # 4. under SP: the replicated parameters' partial gradients summed at the end of every backward
+    if sequence_parallel:
+        gpt.sequence_parallel_grads = SequenceParallelGrads(gpt, group, traffic)
     return gpt
 
 
@@ -154,28 +161,78 @@ def _mark_sequence_parallel(module: nn.Module, sequence_parallel: bool) -> None:
 
 
 def vocab_parallel_lm_loss(logits: torch.Tensor, targets: torch.Tensor, group: dist.ProcessGroup | None,
-                           traffic: Traffic | None = None) -> torch.Tensor:
-    """``lm_loss`` from this rank's logits (B, T, V/t): the mean of ``vocab_parallel_cross_entropy``."""
+                           traffic: Traffic | None = None, ignore_index: int = -100) -> torch.Tensor:
+    """``lm_loss`` from this rank's logits (B, T, V/t): ``vocab_parallel_cross_entropy`` averaged over the
+    targets that are not ``ignore_index``, as ``F.cross_entropy`` averages (NaN when every target is ignored)."""
     vocab_start = dist.get_rank(group) * logits.shape[-1]
-    return vocab_parallel_cross_entropy(logits, targets, vocab_start, group, traffic).mean()
+    losses = vocab_parallel_cross_entropy(logits, targets, vocab_start, group, traffic, ignore_index=ignore_index)
+    return losses.sum() / (targets != ignore_index).sum().to(losses.dtype)
+
+
+def sequence_parallel_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The replicated parameters that see only this rank's positions under SP (``p.sequence_parallel``)."""
+    return [p for p in model.parameters() if getattr(p, "sequence_parallel", False)]
+
+
+def _sum_over_group(grads: list[torch.Tensor], group: dist.ProcessGroup | None, traffic: Traffic | None) -> list[torch.Tensor]:
+    """One all-reduce of the flattened ``grads``; the sums, shaped as ``grads``."""
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)                  # sends 2(t-1)/t * flat.nbytes per rank
+    if traffic is not None:
+        traffic.add("all_reduce", "sequence_parallel_grads", "backward", flat, dist.get_world_size(group))
+    return [summed.view_as(g) for g, summed in zip(grads, flat.split([g.numel() for g in grads]))]
 
 
 def all_reduce_sequence_parallel_grads(model: nn.Module, group: dist.ProcessGroup | None,
                                        traffic: Traffic | None = None) -> None:
     """Sum, over the group, the gradients of the replicated parameters that saw only a sequence shard.
 
-    Megatron's ``allreduce_layernorm_grads``; forgetting it leaves each rank with its own LayerNorm
-    weights, a silent divergence. One all-reduce of the flattened gradients.
+    Megatron's ``allreduce_layernorm_grads``, for layers assembled by hand: forgetting it leaves each rank
+    with its own LayerNorm weights, a silent divergence. One all-reduce of the flattened gradients. A model
+    from ``parallelize(..., sequence_parallel=True)`` does this itself after every backward: summing again
+    would multiply the gradients by t, so it is refused.
     """
-    grads = [p.grad for p in model.parameters() if getattr(p, "sequence_parallel", False) and p.grad is not None]
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)                  # sends 2(t-1)/t * flat.nbytes per rank
-    if traffic is not None:
-        traffic.add("all_reduce", "sequence_parallel_grads", "backward", flat, dist.get_world_size(group))
-    for g, summed in zip(grads, flat.split([g.numel() for g in grads])):
-        g.copy_(summed.view_as(g))
+    if isinstance(getattr(model, "sequence_parallel_grads", None), SequenceParallelGrads):
+        raise ValueError("this model comes from parallelize(..., sequence_parallel=True), which already sums the "
+                         "sequence-parallel gradients at the end of every backward; calling "
+                         "all_reduce_sequence_parallel_grads again would add every rank's sum t times. Drop the call.")
+    grads = [p.grad for p in sequence_parallel_parameters(model) if p.grad is not None]
+    if grads:
+        for g, summed in zip(grads, _sum_over_group(grads, group, traffic)):
+            g.copy_(summed)
+
+
+class SequenceParallelGrads:
+    """Sums the sequence-parallel parameters' partial gradients over ``group`` at the end of every backward.
+
+    A hook on each such parameter takes the gradient this backward brings before it is accumulated, keeps it
+    and lets a zero through instead; the first hook of a backward queues ``_sum`` to run when the backward
+    ends (as DDP and FSDP queue their last reduction). ``_sum`` all-reduces what was kept, in one flat
+    tensor, and adds the sums to ``p.grad``. Adding only this backward's share keeps gradient accumulation
+    right: several backwards before a step sum each micro-batch's partial gradients once (one all-reduce per
+    backward; Megatron instead sums once per step, after the last micro-batch).
+    """
+
+    def __init__(self, model: nn.Module, group: dist.ProcessGroup | None, traffic: Traffic | None = None):
+        self.group, self.traffic = group, traffic
+        self.params = sequence_parallel_parameters(model)
+        self.pending: dict[int, torch.Tensor] = {}           # index in params -> this backward's partial gradient
+        for i, p in enumerate(self.params):
+            p.register_hook(partial(self._keep, i))
+
+    def _keep(self, i: int, grad: torch.Tensor) -> torch.Tensor:
+        if not self.pending:
+            torch.autograd.Variable._execution_engine.queue_callback(self._sum)
+        self.pending[i] = grad
+        return torch.zeros_like(grad)                        # accumulated now; the sum is added in _sum
+
+    def _sum(self) -> None:
+        # every rank runs the same graph, so every rank keeps the same parameters' gradients: one all-reduce
+        mine = [self.pending.get(i, torch.zeros_like(p)) for i, p in enumerate(self.params)]
+        for i, summed in enumerate(_sum_over_group(mine, self.group, self.traffic)):
+            if i in self.pending:
+                self.params[i].grad.add_(summed)
+        self.pending.clear()
 
 
 def _full(p: torch.Tensor, value: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -203,9 +260,7 @@ class TensorParallel:
         if loss_fn is not lm_loss:
             raise ValueError("TensorParallel trains with lm_loss (computed vocab-parallel); got another loss_fn.")
         logits = self.model(x)                                                  # (B, T, V/t)
-        vocab_parallel_lm_loss(logits, y, self.group, self.traffic).backward()
-        if self.sequence_parallel:
-            all_reduce_sequence_parallel_grads(self.model, self.group, self.traffic)
+        vocab_parallel_lm_loss(logits, y, self.group, self.traffic).backward()   # under SP, sums its partial grads
         return gather_shards(logits.detach(), logits.dim() - 1, 1, self.group)  # (B, T, V), for the check only
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
