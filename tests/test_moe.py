@@ -160,8 +160,12 @@ def test_expert_parallel_matches_one_process_forced_to_the_same_routing(ep):
         if cf is not None:     # padded: every all-to-all sends (ep-1)/ep of E x C rows of d_model float32s
             C = capacity(2 * 8, E, k, cf)                    # 2 sequences of 8 tokens per rank
             per = (ep - 1) * (E // ep) * C * 16 * 4
-            assert {r.sent for r in log.records} == {per}
-            assert log.total("sent", phase="forward") == log.total("sent", phase="backward") == STEPS * 2 * 2 * per
+            assert {r.sent for r in log.records if r.what != "counts"} == {per}
+            rows = log.total("sent", phase="forward") - log.total("sent", what="counts")
+            assert rows == log.total("sent", phase="backward") == STEPS * 2 * 2 * per
+            # and, once per layer and forward, how many slots of each expert were filled: E/ep int64s to each rank
+            counts = [r.sent for r in log.records if r.what == "counts"]
+            assert counts == [(ep - 1) * (E // ep) * 8] * (STEPS * 2)
         print(f"ep={ep} E={E} k={k} capacity_factor={cf}:", report)
 
 
@@ -193,4 +197,60 @@ def _on_a_mesh():
 
 def test_experts_replicated_over_data_parallel_ranks_on_a_mesh():
     for report in launch(_on_a_mesh, 4, timeout=120):
+        assert report.steps == STEPS and report.worst("ranks") == 0.0
+
+
+# --------------------------------------------------------------------------- #
+# An expert that no token reaches: untouched, as in one process
+# --------------------------------------------------------------------------- #
+# Model seeds whose first batch leaves an expert of block 0 without any kept token (found by search; the test
+# asserts that it does): seed 16 at E = 4 on 2 ranks (expert 1) and at E = 6 on 3 ranks (expert 0).
+IDLE = {2: (16, 4), 3: (16, 6)}
+
+
+def _idle_expert(E, seed, cases):
+    import torch.distributed as dist
+    w, out = dist.get_world_size(), []
+    for k, cf in cases:
+        cfg = _cfg(E, k, cf, w)
+        batches = [token_batch(cfg, 2 * w, seed=s) for s in range(STEPS)]
+        serial = GPT(cfg, seed=seed)
+        serial(batches[0][0])
+        idle = (serial.blocks[0].mlp.stats["kept_per_expert"] == 0).nonzero().flatten().tolist()
+        ep = ExpertParallel(GPT(cfg, seed=seed), None, adamw)
+        ep.forward_backward(*(t.chunk(w)[dist.get_rank()] for t in batches[0]), lm_loss)
+        untouched = sorted({int(n.split(".")[4]) for n, p in ep.model.named_parameters()    # blocks.0.mlp.experts.e.*
+                            if n.startswith("blocks.0.") and ".experts." in n and p.grad is None})
+        report = check_parity(lambda: GPT(cfg, seed=seed), lambda m, g: ExpertParallel(m, g, adamw),
+                              batches, lm_loss, adamw, tolerance=ONE_PROCESS)
+        out.append((idle, untouched, report))
+    return out
+
+
+@pytest.mark.parametrize("ep", [2, 3])
+def test_an_expert_no_token_reaches_keeps_no_gradient_and_is_not_stepped(ep):
+    """Before the fix the padded layer ran such an expert on its empty slots: a zero gradient, which AdamW
+    stepped (weight decay, moments), 1.6e-3 away from one process after 3 steps."""
+    seed, E = IDLE[ep]
+    for (idle, untouched, report), (k, cf) in zip(launch(_idle_expert, ep, E, seed, [(1, 1.25), (1, None)],
+                                                         timeout=120)[0], [(1, 1.25), (1, None)]):
+        assert idle, "the seed no longer leaves an expert idle: find another"
+        owned = [e for e in idle if e // (E // ep) == 0]                     # rank 0's experts among them
+        assert untouched == owned, (cf, idle, untouched)                     # its weights and biases: no gradient
+        assert report.steps == STEPS and report.worst("ranks") == 0.0, cf
+
+
+def _idle_on_one_replica():
+    from dtcourse.mesh import ParallelDims, build_groups
+    mesh = build_groups(ParallelDims(dp=4, pp=1, tp=1, ep=2))     # replicas [0, 2] and [1, 3]
+    cfg = _cfg(4, 1, 1.25, 4)
+    batches = [token_batch(cfg, 8, seed=s) for s in range(STEPS)]
+    return check_parity(lambda: GPT(cfg, seed=7), lambda m, g: ExpertParallel(m, None, adamw, mesh=mesh),
+                        batches, lm_loss, adamw, tolerance=ONE_PROCESS)
+
+
+def test_an_expert_idle_on_one_replica_only_is_summed_with_the_others():
+    """Seed 7: block 0's expert 1 gets no token from ranks 0 and 1 at the first step, two from ranks 2 and 3.
+    Its replica on rank 0 has no gradient; it must still join the replicas' sum (it sends zeros)."""
+    for report in launch(_idle_on_one_replica, 4, timeout=120):
         assert report.steps == STEPS and report.worst("ranks") == 0.0

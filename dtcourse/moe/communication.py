@@ -5,6 +5,7 @@ one ``all_to_all_single``: rank r sends ``input_splits[q]`` rows to rank q and r
 rows from it. Its backward is the same exchange reversed (the splits swapped): the gradient of a row goes
 back to the rank it came from (GShard, Lepikhin et al., arXiv 2006.16668, section 2.2). Equal splits are the
 capacity-padded mode; uneven ones the dropless mode, which first exchanges the counts (``exchange_counts``).
+The padded mode exchanges counts too, after its dispatch, only to learn which of its experts no token reached.
 On gloo, ``all_to_all_single`` takes uneven splits; the list form ``dist.all_to_all`` with unequal sizes does
 not, so it is not used. Example::
 

@@ -11,7 +11,9 @@ dp/ep replicas, summed over their own group.
 ``expert_parallelize(gpt, group)`` swaps every ``MoE`` of a ``dtcourse.models.GPT`` for an
 ``ExpertParallelMoE`` in place (the model knows nothing of it); ``ExpertParallel`` is the parity harness's
 adapter, with the data-parallel averaging. The layer is capacity-padded when the model has a
-``capacity_factor`` and dropless when it is None. Example, on every rank::
+``capacity_factor`` and dropless when it is None. An expert that no token reached does not run, in either
+mode, so its gradient stays None as in one process (the padded mode learns which experts those are from a
+small exchange of counts). Example, on every rank::
 
     ep = ExpertParallel(GPT(GPTConfig(n_expert=4), seed=0), group, lambda ps: torch.optim.AdamW(ps))
     out = ep.forward_backward(x_mine, y_mine, lm_loss); ep.step()
@@ -28,7 +30,7 @@ import torch.nn as nn
 from dtcourse.mesh import Mesh
 from dtcourse.models import GPT
 from dtcourse.models.moe import MoE, _AttachAux, load_balancing_loss, route, z_loss
-from dtcourse.moe.communication import AllToAllLog
+from dtcourse.moe.communication import AllToAllLog, exchange_counts
 from dtcourse.moe.dispatch import combine_padded, dispatch_dropless, dispatch_padded
 
 __all__ = ["ExpertParallelMoE", "expert_parallelize", "ExpertParallel", "check_expert_parallel"]
@@ -66,8 +68,8 @@ class ExpertParallelMoE(nn.Module):
         dispatch = dispatch_padded if self.mode == "padded" else dispatch_dropless
         received, plan = dispatch(tokens, routing, self.n_expert, self.group, self.log, self.where)
         outputs = received.new_zeros(received.shape)                       # (rows received, C), as received
-        for e, rows in zip(self.mine, plan.rows_of):
-            if rows.numel():
+        for e, rows, n in zip(self.mine, plan.rows_of, self._arrived(routing, plan)):
+            if n:                  # an expert no token reached does not run: its gradient stays None, as in one process
                 outputs = outputs.index_copy(0, rows, self.experts[str(e)](received[rows]))
         out = combine_padded(outputs, plan, routing, self.group, self.log, self.where)   # (N, C)
         aux = self.aux_loss_coef * load_balancing_loss(routing) + self.z_loss_coef * z_loss(routing)
@@ -79,6 +81,18 @@ class ExpertParallelMoE(nn.Module):
                       "dropped": 1 - kept.float().mean()}
         out = out.view(B, T, C)
         return _AttachAux.apply(out, aux) if self.training else out
+
+
+    def _arrived(self, routing, plan) -> list[int]:
+        """The kept choices each local expert received from all ranks. Dropless: its rows. Padded: every expert
+        receives C slots from each rank, padding or not, so the ranks exchange how many were filled (E/ep
+        integers to each rank). An expert run on padding alone would get a zero gradient, not None, and AdamW
+        would step it (weight decay, moments) where one process leaves it alone."""
+        if self.mode == "dropless":
+            return [rows.numel() for rows in plan.rows_of]
+        ep = dist.get_world_size(self.group)
+        filled = torch.bincount(routing.experts[routing.kept], minlength=self.n_expert).view(ep, -1)  # (ep, E/ep)
+        return exchange_counts(filled, self.group, self.log, self.where).sum(0).tolist()             # (E/ep,)
 
 
 def expert_parallelize(gpt: GPT, group: dist.ProcessGroup | None = None, log: AllToAllLog | None = None) -> GPT:
@@ -123,12 +137,25 @@ class ExpertParallel:
         dist.all_reduce(flat, group=self.dp_group)                   # sends 2(dp-1)/dp * flat.nbytes per rank
         for g, summed in zip(shared, flat.div_(dp).split([g.numel() for g in shared])):
             g.copy_(summed.view_as(g))
-        for n, p in self.model.named_parameters():
-            if _is_expert(n) and p.grad is not None:
-                if self.replicas is not None:
-                    dist.all_reduce(p.grad, group=self.replicas)     # sends 2(r-1)/r * nbytes, r = dp/ep replicas
+        experts = [p for n, p in self.model.named_parameters() if _is_expert(n)]
+        if self.replicas is not None:
+            self._sum_replicas(experts)
+        for p in experts:
+            if p.grad is not None:
                 p.grad.div_(dp)
         return out.detach()
+
+    def _sum_replicas(self, experts: list[nn.Parameter]) -> None:
+        """Sum each expert's gradient over its replicas, one flat all-reduce. A replica that no token reached
+        has None: it sends zeros, and one flag per parameter says whether any replica had a gradient, so an
+        expert idle on every replica stays None, as in one process."""
+        grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in experts]
+        had = torch.tensor([p.grad is not None for p in experts], dtype=grads[0].dtype)
+        flat = torch.cat([g.reshape(-1) for g in grads] + [had])
+        dist.all_reduce(flat, group=self.replicas)     # sends 2(r-1)/r * flat.nbytes per rank, r = dp/ep replicas
+        summed, any_had = flat[:-len(experts)].split([g.numel() for g in grads]), flat[-len(experts):]
+        for p, g, flag in zip(experts, summed, any_had.tolist()):
+            p.grad = g.view_as(p).clone() if flag else None
 
     def _named(self, grads: bool) -> dict[str, torch.Tensor]:
         mine = {n: (p.grad if grads else p).detach() for n, p in self.model.named_parameters()
