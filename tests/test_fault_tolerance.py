@@ -9,6 +9,7 @@ job that never stopped did. With 2 ranks each sum has two terms, in either order
 curve and the final parameters must be bit-identical to the run that never stopped.
 """
 
+import dataclasses
 import functools
 import os
 import signal
@@ -217,6 +218,34 @@ def test_a_sharded_checkpoint_of_two_ranks_resumes_on_four(build, tmp_path):
         # (FSDP2), 8.6e-8 (ZeRO-3).
         worst = max((params[n] - never[n]).abs().max().item() for n in never)
         assert worst < 1e-5, worst
+
+
+def _into_another_model(directory):
+    """Save the DENSE GPT through DCP, then load it into a wider one and into a deeper one."""
+    from dtcourse.fault_tolerance import sharded
+    model = torch.nn.parallel.DistributedDataParallel(GPT(DENSE, seed=0))
+    sharded.save(directory, model, torch.optim.AdamW(model.parameters()), step=3)
+    errors = []
+    for other in (dataclasses.replace(DENSE, d_model=24), dataclasses.replace(DENSE, n_layer=3)):
+        wrong = torch.nn.parallel.DistributedDataParallel(GPT(other, seed=0))
+        try:
+            sharded.load(directory, wrong, torch.optim.AdamW(wrong.parameters()))
+        except Exception as err:              # before the fix DCP's CheckpointException, a BaseException, got past
+            errors.append((type(err).__name__, str(err)))
+        else:
+            errors.append(("none", ""))
+    return errors
+
+
+def test_a_sharded_checkpoint_loaded_into_another_model_says_which_tensor_differs(tmp_path):
+    for (wider, wider_msg), (deeper, deeper_msg) in launch(_into_another_model, 2, str(tmp_path), timeout=60):
+        assert wider == deeper == "SnapshotError"                              # a ValueError, as restore raises
+        assert wider_msg == (f"{tmp_path} is a checkpoint of another model (model.wte.weight: [32, 16] saved, "
+                             "[32, 24] now): load it into the model it was saved from, or start this one from a "
+                             "fresh directory.")
+        # a tensor the checkpoint lacks: DCP's own error, one rank's and one line, with what to do
+        assert deeper_msg.startswith(f"{tmp_path} could not be loaded into this model: ") and "blocks.2" in deeper_msg
+        assert deeper_msg.endswith("or start this one from a fresh directory.") and "Traceback" not in deeper_msg
 
 
 def _async_saves(directory):

@@ -21,7 +21,8 @@ Variants (each rank routes its own tokens, one GShard group):
 Both run each token through its k experts, so the FLOPs are the same: the table shows what the exchange
 costs. "a2a KiB" is what one rank sent in one step's all-to-alls (``AllToAllLog``), beside the formula for
 the padded mode: 4 exchanges per MoE layer (dispatch and combine, forward and backward) of (N-1)/N x E x C
-rows of d_model float32s. "all-reduce KiB" is the formula 2(N-1)/N x bytes of the all-reduced gradients.
+rows of d_model float32s, plus one exchange per layer of (N-1)/N x E int64 counts of filled slots (so that an
+expert no token reached does not run). "all-reduce KiB" is the formula 2(N-1)/N x bytes of the all-reduced gradients.
 """
 
 from __future__ import annotations
@@ -119,7 +120,9 @@ def measure(world_size: int, variants: list[str] = list(VARIANTS), config: GPTCo
     rows = []
     for v, result in out.items():
         ep = v.startswith("EP")
-        a2a = 4 * config.n_layer * share * config.n_expert * C * config.d_model * 4 if v == "EP padded" else None
+        rows_sent = 4 * config.n_layer * share * config.n_expert * C * config.d_model * 4
+        counts_sent = config.n_layer * share * config.n_expert * 8        # the filled slots' counts, int64
+        a2a = rows_sent + counts_sent if v == "EP padded" else None
         rows.append({"world_size": world_size, "variant": v, **step_times(result["times"]), "a2a_sent": result["sent"],
                      "a2a_formula": a2a, "all_reduce": 2 * share * 4 * (psi - psi_experts if ep else psi),
                      "experts_per_rank": config.n_expert // world_size if ep else config.n_expert})

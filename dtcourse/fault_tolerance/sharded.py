@@ -31,7 +31,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from dtcourse.fault_tolerance.snapshot import SnapshotError
 
 __all__ = ["save", "load"]
 
@@ -99,13 +102,45 @@ def save(directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim.
     return dcp.async_save(state, checkpoint_id=str(directory), process_group=group)
 
 
+def _tensors(state, prefix: str = ""):
+    """(key, tensor) for every tensor of a nested state, keyed as DCP flattens it ("model.wte.weight")."""
+    items = state.items() if isinstance(state, dict) else enumerate(state) if isinstance(state, list) else ()
+    for key, value in items:
+        name = f"{prefix}{key}"
+        if isinstance(value, torch.Tensor):
+            yield name, value
+        else:
+            yield from _tensors(value, f"{name}.")
+
+
+def _check_shapes(directory: str | os.PathLike, state: dict) -> None:
+    """Raise a ``SnapshotError`` naming the first tensor whose saved shape is not this model's, on every rank
+    alike (each reads the same metadata and compares the same global shapes) and before any collective."""
+    saved = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    for name, tensor in _tensors(state):
+        theirs = getattr(saved.get(name), "size", None)
+        if theirs is not None and tuple(theirs) != tuple(tensor.shape):   # a DTensor's shape is the global one
+            raise SnapshotError(f"{directory} is a checkpoint of another model ({name}: {list(theirs)} saved, "
+                                f"{list(tensor.shape)} now): load it into the model it was saved from, or start "
+                                "this one from a fresh directory.")
+
+
 def load(directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
-    """Read ``directory`` into ``model`` (and ``optimizer``), resharded to this job's ranks; return the step."""
+    """Read ``directory`` into ``model`` (and ``optimizer``), resharded to this job's ranks; return the step.
+
+    A checkpoint of another model raises ``SnapshotError`` (a ``ValueError``) naming the first tensor that differs,
+    as ``Snapshots.restore`` does, rather than DCP's ``CheckpointException`` with every rank's traceback."""
     if not (Path(directory) / ".metadata").exists():
         raise FileNotFoundError(f"{directory} holds no DCP checkpoint (no .metadata): save one there first with "
                                 "dtcourse.fault_tolerance.sharded.save, on every rank.")
     state = _state(model, optimizer, 0)
-    dcp.load(state, checkpoint_id=str(directory))                # fills the tensors in place, resharded
+    _check_shapes(directory, state)
+    try:
+        dcp.load(state, checkpoint_id=str(directory))            # fills the tensors in place, resharded
+    except CheckpointException as err:                           # a BaseException: `except Exception` misses it
+        first = next(iter(err.failures.values()), err)           # each rank's error; the ranks fail alike
+        raise SnapshotError(f"{directory} could not be loaded into this model: {first}. Load it into the model "
+                            "(and optimizer) it was saved from, or start this one from a fresh directory.") from None
     if hasattr(model, "owned_parts"):                            # ZeRO: its parts and states were the targets
         model.refresh()
     elif optimizer is None:
