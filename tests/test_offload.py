@@ -146,20 +146,32 @@ def test_the_lesson_measurement_counts_each_tier_and_draws_it():
     assert device.device_states == 2 * device.shard_bytes + 2 * 4   # m, v and one step count per unit
     assert host.device_states == disk.device_states == 0
     assert all(set(r.seconds) == set(lab.PARTS) and min(r.seconds.values()) >= 0 for r in runs.values())
-    left, right = lab.plot_offload(runs).axes
-    assert len(left.patches) == len(lab.PARTS) * 3 and len(right.patches) == 2 * 3
+    times, states, resident = lab.plot_offload(runs).axes         # one quantity per panel
+    assert len(times.patches) == len(lab.PARTS) * 3
+    assert [b.get_height() for b in states.patches] == [r.device_states / 2**20 for r in (device, host, disk)]
+    assert [b.get_height() for b in resident.patches] == [(r.resident - device.resident) / 2**20
+                                                          for r in (device, host, disk)]
+    # every bar carries its value; a zero bar, invisible otherwise, reads "0"
+    assert [t.get_text() for t in states.texts] == [f"{device.device_states / 2**20:.1f}", "0", "0"]
+    assert [t.get_text() for t in resident.texts][0] == "0"
+    assert "device" in states.get_title() and "Resident" in resident.get_title()
     with pytest.raises(ValueError, match=r"variants must come from \('device', 'host', 'disk'\)"):
         lab.measure_offload(2, ("gpu",))
 
 
 def test_the_lesson_problems_agree_with_their_formulas():
     from dtcourse.lab import offload as lab
+    from dtcourse.lab.problems import check
 
     small = (16, 32, 8)
     for answer in (lab.problem_bytes_each_way(2, small), lab.problem_disk_bytes(2, small),
                    lab.problem_device_states(2, small), lab.problem_delayed_lag()):
         assert answer.agrees, answer
     assert lab.delayed_lag(steps=4) == [True, True, True]
+    assert lab.lag_in_steps() == 1                     # measured: the first k that matches every step
+    lag = lab.problem_delayed_lag()
+    assert "measured 1 step; the lesson's formula gives 1 step\n" in repr(check(1, lag))
+    assert "your prediction 2 steps is 100% too high" in repr(check(2, lag))   # read as "lands at t + 2"
 
 
 def _mixed():

@@ -1,6 +1,10 @@
 """The predict-then-check pattern every lesson's problems use (dtcourse/lab/problems.py)."""
 
+import contextlib
+import io
+
 import pytest
+from IPython.lib.pretty import pretty as ipython_text     # how Jupyter shows a cell's value as text/plain
 
 from dtcourse.lab.problems import Answer, check, pretty
 
@@ -8,13 +12,29 @@ from dtcourse.lab.problems import Answer, check, pretty
 def test_a_formula_that_matches_the_measurement_passes_and_reports_the_prediction():
     answer = Answer(measured=1.02e9, formula=1.0e9, unit="B", rtol=0.05, why="allocator rounding")
     assert answer.agrees
-    verdict = check(None, answer)
-    assert verdict.error is None and "write your prediction" in repr(verdict)
     assert "right" in repr(check(1.0e9, answer))
     wrong = check(0.5e9, answer)
     assert wrong.error == pytest.approx(0.5e9 / 1.02e9 - 1)
     assert "51% too low" in repr(wrong) and "worked answer" in repr(wrong)
     assert "too high" in repr(check(2e9, answer))
+
+
+def test_without_a_prediction_the_check_shows_no_number_only_how_to_predict():
+    """Run All leaves every prediction at None: what the notebook shows must not give the answer away."""
+    answer = Answer(measured=40, formula=40, unit="choices", rtol=0, why="exact")
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        verdict = check(None, answer)
+    shown = printed.getvalue() + ipython_text(verdict)   # what the cell prints, and the value it displays
+    assert "replace None with your number" in shown and "run this one again" in shown, shown
+    assert not any(ch.isdigit() for ch in shown), shown          # no 40, nor any other number
+    assert "measured" not in shown and "formula" not in shown, shown
+    assert check(None, answer).error is None
+    with_prediction = repr(check(40, answer))
+    assert "measured 40 choices; the lesson's formula gives 40 choices" in with_prediction
+    assert "your prediction 40 choices is right" in with_prediction
+    # the formula is still asserted without a prediction: a wrong lesson fails Run All and CI
+    with pytest.raises(AssertionError, match="exact"):
+        check(None, Answer(measured=41, formula=40, unit="choices", rtol=0, why="exact"))
 
 
 def test_a_formula_off_by_more_than_its_tolerance_fails_with_its_reason():
@@ -43,6 +63,9 @@ def test_bad_answers_and_predictions_are_refused_with_what_to_change():
 @pytest.mark.parametrize("value, unit, text", [
     (3 * 2**30, "B", "3 GiB"), (512, "B", "512 B"), (1536, "B", "1.5 KiB"),
     (2.5e-5, "s", "25 µs"), (1.25e10, "B/s", "12.5 GB/s"), (0.0, "B", "0 B"), (7, "", "7"),
+    # a counted unit agrees with its number, whichever form the lab wrote
+    (1, "step", "1 step"), (2, "step", "2 steps"), (1, "rounds", "1 round"), (0, "messages", "0 messages"),
+    (3, "iterations", "3 iterations"),
 ])
 def test_pretty_chooses_readable_units(value, unit, text):
     assert pretty(value, unit) == text

@@ -4,7 +4,8 @@
   nbgrader needed);
 * ``grade.py`` runs a student's notebook and scores it: ``dtcourse check`` with the visible
   checks only (a student's self-check, no ``solutions/`` needed), ``dtcourse grade`` with the
-  hidden ones too (the instructor's);
+  hidden ones too (the instructor's); ``report.py`` is what they print (when the notebook was
+  last saved, each failure once);
 * ``audit.py`` finds code in a submission that reaches into the grading (``dtcourse audit``);
 * ``course.py`` writes a ready nbgrader course (``dtcourse course DIR``), and
   ``nbgrader_stubs.py`` gives each exercise its own stub there.

@@ -32,6 +32,8 @@ The steps follow nbgrader's (its preprocessor names in brackets):
    partial score it evaluates to.
 5. Audit the student's cells (``dtcourse.grading.audit``): code that rebinds a
    check or patches the modules the checks rely on is listed under "Flagged".
+6. Report (``dtcourse.grading.report``): when the notebook file was last saved, since
+   that file is what ran, and each failure once.
 
 Exit status: 0 full marks, 1 some check failed (or something was flagged), 2 the notebook
 could not be graded.
@@ -44,81 +46,19 @@ import ast
 import copy
 import os
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import nbformat
 from nbclient import NotebookClient
 
 from dtcourse.grading import audit, exercises
+from dtcourse.grading.report import Check, Report
 
 DEFAULT_CELL_TIMEOUT = 300.0  # seconds; each check bounds itself far below this
 # A kernel that dies before its first cell begins is started again, up to this many starts in all. Kernels started at
 # once (a class graded in parallel) can race for a port: jupyter_client picks free ports and the kernel binds them
 # later, so another may take one in between ("Address already in use"; seen with 14 graders on 16 cores).
 KERNEL_STARTS = 3
-
-
-@dataclass
-class Check:
-    """One test (grade) cell: its points, and why it failed ('' if it passed)."""
-
-    grade_id: str
-    points: float | None  # None: needs a person (a manually graded answer), or hidden in a self-check
-    max_points: float
-    message: str = ""
-    hidden: bool = False  # a self-check: the instructor's grading runs this cell's checks
-
-    @property
-    def passed(self) -> bool:
-        return self.points is not None and self.points >= self.max_points
-
-
-@dataclass
-class Report:
-    """What ``grade_notebook`` found; ``str(report)`` is the printed report."""
-
-    notebook: Path
-    source: Path | None
-    checks: list[Check] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)  # other cells that failed, restored cells
-    flagged: list[str] = field(default_factory=list)  # code that reaches into the grading (audit)
-    error: str = ""  # set when the notebook could not be graded at all
-
-    @property
-    def score(self) -> float:
-        return sum(c.points or 0.0 for c in self.checks)
-
-    @property
-    def max_score(self) -> float:
-        return sum(c.max_points for c in self.checks if c.points is not None)
-
-    @property
-    def exit_code(self) -> int:
-        if self.error:
-            return 2
-        return 0 if all(c.passed for c in self.checks if c.points is not None) and not self.flagged else 1
-
-    def __str__(self) -> str:
-        lines = [f"Grading {self.notebook}", f"  against {self.source}", ""]
-        if self.error:
-            return "\n".join(lines + [f"Could not grade: {self.error}"])
-        width = max([len(c.grade_id) for c in self.checks] + [10])
-        for c in self.checks:
-            status = ("HIDDEN" if c.hidden else "MANUAL") if c.points is None else "PASS" if c.passed else "FAIL"
-            earned = "?" if c.points is None else f"{c.points:g}"
-            lines.append(f"  {status:<6} {c.grade_id:<{width}}  {earned} / {c.max_points:g}")
-            lines += [f"         {line}" for line in c.message.splitlines()]
-        if self.notes:
-            lines += ["", "Notes:"] + [f"  {note}" for note in self.notes]
-        if self.flagged:
-            lines += ["", "Flagged for the instructor (code that reaches into the grading):"]
-            lines += [f"  {finding}" for finding in self.flagged]
-        hidden = sum(c.max_points for c in self.checks if c.hidden)
-        lines += ["", f"Total: {self.score:g} / {self.max_score:g}"
-                  + (f" (and {hidden:g} points of hidden checks, which only the instructor's grading runs)"
-                     if hidden else "")]
-        return "\n".join(lines)
 
 
 def grade_notebook(path: str | os.PathLike, source: str | os.PathLike | None = None,
@@ -134,6 +74,7 @@ def grade_notebook(path: str | os.PathLike, source: str | os.PathLike | None = N
     source = Path(source) if source else exercises.ROOT / folder / path.name
     report = Report(path, source)
     try:
+        report.saved = path.stat().st_mtime     # before reading: a save in between shows as the older time
         nb = nbformat.read(path, as_version=4)
     except Exception as err:  # a missing file, broken JSON, not a notebook
         report.error = f"cannot read {path}: {err}"

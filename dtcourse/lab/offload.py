@@ -6,7 +6,9 @@ the optimizer on the device (no offloading), on the host (``tier="host"``) and o
 per step: the bytes moved down (gradients) and up (parameters), the bytes read from and written to
 disk, the seconds split into compute (forward and backward), transfer, disk and optimizer, the
 bytes of optimizer state the device keeps (``ZeRO.memory()``), and the process's resident memory
-(``VmRSS``) between steps. ``plot_offload`` draws the time split and the memory side by side.
+(``VmRSS``) between steps. ``plot_offload`` draws the time split, the device's optimizer states and
+the resident memory, one panel each. ``linear_run``, ``delayed_lag`` and ``lag_in_steps`` compare the
+delayed parameter update with a normal run, step by step.
 
 The resident memory is read after glibc is told to return freed blocks (``malloc_trim``) and to
 serve large blocks from ``mmap`` (a fixed ``M_MMAP_THRESHOLD``), so that memory the disk tier
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -24,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
 from dtcourse.lab.problems import Answer
@@ -33,7 +37,7 @@ from dtcourse.offload import OffloadedOptimizer
 from dtcourse.runtime.launch import launch
 from dtcourse.zero import ZeRO
 
-__all__ = ["OffloadRun", "measure_offload", "plot_offload", "VARIANTS", "delayed_lag",
+__all__ = ["OffloadRun", "measure_offload", "plot_offload", "VARIANTS", "linear_run", "delayed_lag", "lag_in_steps",
            "problem_bytes_each_way", "problem_disk_bytes", "problem_device_states", "problem_delayed_lag"]
 
 VARIANTS = ("device", "host", "disk")
@@ -130,51 +134,73 @@ def measure_offload(world_size: int = 2, variants: tuple[str, ...] = VARIANTS, *
 
 
 def plot_offload(runs: dict[str, OffloadRun]) -> Figure:
-    """Left: time per step by part, stacked. Right: optimizer states on the device, and the resident
-    memory (VmRSS) above or below the first run's (the process's own few hundred MiB cancel out)."""
-    fig = Figure(figsize=(COLUMN_IN, 3.0), layout="constrained")
-    left, right = fig.subplots(1, 2)
+    """Three panels, one quantity each, every bar labelled with its value (so that a zero shows):
+    the time per step by part, stacked; the bytes of optimizer state the device keeps
+    (``ZeRO.memory()``); and the resident memory (VmRSS) above or below the first run's (the
+    process's own few hundred MiB cancel out)."""
+    fig = Figure(figsize=(COLUMN_IN, 3.2), layout="constrained")
+    times, states, resident = fig.subplots(1, 3, width_ratios=(1.3, 1, 1))
     names = list(runs)
     bottom = [0.0] * len(names)
     for part, colour in zip(PARTS, ("tab:blue", "tab:orange", "tab:red", "tab:green")):
         ms = [1e3 * runs[n].seconds[part] for n in names]
-        left.bar(names, ms, bottom=bottom, label=part, color=colour)
+        times.bar(names, ms, bottom=bottom, label=part, color=colour)
         bottom = [b + m for b, m in zip(bottom, ms)]
-    left.set_ylabel("ms per step (median, rank 0)")
-    left.set_title("Where a step's time goes")
-    left.legend(fontsize=7)
-    xs, base = range(len(names)), runs[names[0]].resident
-    right.bar([x - 0.2 for x in xs], [runs[n].device_states / 2**20 for n in names], 0.4,
-              label="optimizer states on the device")
-    right.bar([x + 0.2 for x in xs], [(runs[n].resident - base) / 2**20 for n in names], 0.4,
-              label=f"resident memory vs {names[0]!r}")
-    right.axhline(0, color="black", linewidth=0.8)
-    right.set_xticks(list(xs), names)
-    right.set_ylabel("MiB, rank 0")
-    right.set_title("Memory between steps")
-    right.legend(fontsize=7, loc="lower left")
+    times.set_ylabel("ms per step (median, rank 0)")
+    times.set_title("Where a step's time goes", fontsize=9)
+    times.set_ylim(0, 1.3 * max(bottom))          # room above the bars for the legend
+    times.legend(fontsize=7, ncols=2, loc="upper center")
+    mib = [runs[n].device_states / 2**20 for n in names]
+    _labelled(states, names, mib, "tab:purple", "{:.1f}")
+    states.set_ylabel("MiB, rank 0")
+    states.set_title("Optimizer states\nkept on the device", fontsize=9)
+    base = runs[names[0]].resident
+    _labelled(resident, names, [(runs[n].resident - base) / 2**20 for n in names], "tab:gray", "{:+.1f}")
+    resident.axhline(0, color="black", linewidth=0.8)
+    resident.set_ylabel("MiB, rank 0")
+    resident.set_title(f"Resident memory between\nsteps, change from {names[0]!r}", fontsize=9)
     return fig
 
 
-def delayed_lag(steps: int = 5, numel: int = 64) -> list[bool]:
-    """For t = 1..steps-1: are the delayed run's weights after step t+1 exactly the normal run's after step t?
+def _labelled(ax: Axes, names: list[str], values: list[float], colour: str, number: str) -> None:
+    """Bars with their value written at the end, ``0`` for a bar of zero height (otherwise invisible)."""
+    bars = ax.bar(names, values, color=colour)
+    ax.bar_label(bars, labels=["0" if v == 0 else number.format(v) for v in values], fontsize=8, padding=2)
+    ax.margins(y=0.18)              # room for the labels above (and below) the tallest bars
 
-    The loss is linear in the weights, so each step's gradient is the same in both runs whatever the
-    weights are; only the moment the update lands differs.
+
+def linear_run(delayed: bool, steps: int = 5, numel: int = 64) -> list[torch.Tensor]:
+    """The weights after each of ``steps`` AdamW steps on a loss linear in them, offloaded (``delayed`` or not).
+
+    Each step's gradient is a fixed random vector, whatever the weights are, so a delayed and a
+    normal run see the same gradients; only the moment each update lands differs.
     """
-    def run(delayed: bool) -> list[torch.Tensor]:
-        w = torch.nn.Parameter(torch.randn(numel, generator=torch.Generator().manual_seed(0)))
-        opt = OffloadedOptimizer([w], functools.partial(torch.optim.AdamW, lr=1e-2), delayed=delayed)
-        seen = []
-        for step in range(steps):
-            (w * torch.randn(numel, generator=torch.Generator().manual_seed(step + 1))).sum().backward()
-            opt.step()
-            w.grad = None
-            seen.append(w.detach().clone())
-        opt.flush()
-        return seen
-    normal, delayed = run(False), run(True)
+    w = torch.nn.Parameter(torch.randn(numel, generator=torch.Generator().manual_seed(0)))
+    opt = OffloadedOptimizer([w], functools.partial(torch.optim.AdamW, lr=1e-2), delayed=delayed)
+    seen = []
+    for step in range(steps):
+        (w * torch.randn(numel, generator=torch.Generator().manual_seed(step + 1))).sum().backward()
+        opt.step()
+        w.grad = None
+        seen.append(w.detach().clone())           # seen[t]: the weights after step t + 1
+    opt.flush()
+    return seen
+
+
+def delayed_lag(steps: int = 5, numel: int = 64) -> list[bool]:
+    """For t = 1..steps-1: are the delayed run's weights after step t+1 exactly the normal run's after step t?"""
+    normal, delayed = linear_run(False, steps, numel), linear_run(True, steps, numel)
     return [torch.equal(delayed[t], normal[t - 1]) for t in range(1, steps)]
+
+
+def lag_in_steps(steps: int = 6, numel: int = 64) -> float:
+    """The k for which the delayed run's weights after step t + k are the normal run's after step t,
+    bit for bit, for every t (nan if no k is)."""
+    normal, delayed = linear_run(False, steps, numel), linear_run(True, steps, numel)
+    for k in range(steps - 1):
+        if all(torch.equal(delayed[t + k], normal[t]) for t in range(steps - k)):
+            return k
+    return math.nan
 
 
 # --------------------------------------------------------------------------- #
@@ -206,7 +232,6 @@ def problem_device_states(world_size: int = 2, sizes: tuple[int, ...] = SIZES) -
 
 
 def problem_delayed_lag() -> Answer:
-    """After how many steps does the delayed update's weight equal the normal run's? (steps of lag)"""
-    lags = delayed_lag()
-    return Answer(measured=1 if all(lags) else 0, formula=1, unit="step", rtol=0.0,
-                  why="the update of step t is copied up at the start of step t+1, bit for bit")
+    """How many steps the delayed run's weights trail the normal run's (k in: after step t + k, the normal's after t)."""
+    return Answer(measured=lag_in_steps(), formula=1, unit="step", rtol=0.0,
+                  why="update t is copied up when step t + 1 calls step(), after that step's backward: exact")

@@ -9,8 +9,10 @@ three cells:
    and computes the lesson's formula for it; :func:`check` asserts that the two agree
    (so CI checks the worked answer too) and tells the student how far their prediction was.
 
-A prediction left at ``None`` is not an error, so Run All and nbval go through; a wrong
-prediction is reported, never raised: the student is told by how much and in which direction.
+A prediction left at ``None`` is not an error, so Run All and nbval go through, but it shows no
+number: the check still asserts the formula against the measurement, and says only how to predict,
+so that running every cell gives no answer away. A wrong prediction is reported, never raised: the
+student is told by how much and in which direction.
 
 Example::
 
@@ -28,7 +30,14 @@ _BINARY = ((2**40, "Ti"), (2**30, "Gi"), (2**20, "Mi"), (2**10, "Ki"), (1, ""))
 
 
 def pretty(value: float, unit: str = "") -> str:
-    """``pretty(3.2e9, "B")`` -> ``'2.98 GiB'``; ``pretty(2.5e-5, "s")`` -> ``'25 µs'``; plain numbers stay plain."""
+    """``pretty(3.2e9, "B")`` -> ``'2.98 GiB'``; ``pretty(2.5e-5, "s")`` -> ``'25 µs'``; plain numbers stay plain.
+
+    A unit that counts things (a lowercase word: ``"step"``, ``"rounds"``) agrees with the number:
+    ``pretty(1, "rounds")`` -> ``'1 round'``, ``pretty(2, "step")`` -> ``'2 steps'``.
+    """
+    if len(unit) > 2 and unit.isalpha() and unit.islower():
+        noun = unit.removesuffix("s")
+        return f"{value:.4g} {noun if value == 1 else noun + 's'}"
     if not math.isfinite(value) or value == 0:
         return f"{value:g} {unit}".strip()
     if unit == "B":
@@ -87,24 +96,26 @@ class Verdict:
 
     def __repr__(self) -> str:
         a = self.answer
-        lines = [f"measured {pretty(a.measured, a.unit)}; the lesson's formula gives {pretty(a.formula, a.unit)}"]
-        if self.prediction is None:
-            lines.append("(write your prediction in the cell above, then run this one again)")
-        else:
-            err = self.error
-            close = abs(err) <= max(a.rtol, 0.1)
-            direction = "high" if err > 0 else "low"
-            lines.append(f"your prediction {pretty(self.prediction, a.unit)} is "
-                         + ("right" if close else f"{abs(err):.0%} too {direction}")
-                         + ("" if close else ": open the worked answer above"))
-        return "\n".join(lines)
+        if self.prediction is None:   # no number at all: Run All must not give the answer away
+            return ("No prediction yet. In the cell above, replace None with your number, run that cell, "
+                    "then run this one again: the measurement is shown once you have predicted.")
+        err = self.error
+        close = abs(err) <= max(a.rtol, 0.1)
+        direction = "high" if err > 0 else "low"
+        return "\n".join([
+            f"measured {pretty(a.measured, a.unit)}; the lesson's formula gives {pretty(a.formula, a.unit)}",
+            f"your prediction {pretty(self.prediction, a.unit)} is "
+            + ("right" if close else f"{abs(err):.0%} too {direction}")
+            + ("" if close else ": open the worked answer above")])
 
 
 def check(prediction: float | None, answer: Answer) -> Verdict:
     """Compare the student's prediction with the measurement, and assert the formula holds.
 
-    Raises AssertionError when the measurement and the lesson's formula disagree by more
-    than the answer's tolerance: that is the lesson being wrong, not the student.
+    Raises AssertionError when the measurement and the lesson's formula disagree by more than the
+    answer's tolerance: that is the lesson being wrong, not the student. Without a prediction
+    (``None``) the formula is asserted all the same, but the verdict shows no number, only how to
+    predict.
     """
     if prediction is not None and not isinstance(prediction, (int, float)):
         raise TypeError(f"a prediction is a number (or None), got {type(prediction).__name__}: {prediction!r}")
