@@ -195,6 +195,12 @@ def test_save_times_the_interval_and_the_problems():
             lab.expected_overhead(tau, 30, 21600, 120), rel=0.05)
     sweep = lab.interval_sweep(30, 21600, 120)
     assert sweep["best"] == pytest.approx(sweep["young"], rel=0.15)
-    assert len(lab.interval_figure(sweep).axes[0].lines) == 3 + 3                  # 3 curves, 3 vertical lines
+    figure = lab.interval_figure(sweep)
+    ax = figure.axes[0]
+    assert len(ax.lines) == 3 + 3                                               # 3 curves, 3 vertical lines
+    # the legend sits beside the axes, hiding no line's top, and inside the figure
+    figure.draw_without_rendering()                                             # lays the figure out
+    legend, axes_box = ax.get_legend().get_window_extent(), ax.get_window_extent()
+    assert legend.x0 > axes_box.x1 and legend.x1 <= figure.bbox.x1 and legend.y0 >= figure.bbox.y0
     for problem in (lab.problem_young, lab.problem_waste):
         assert check(None, problem()).answer.agrees

@@ -94,6 +94,9 @@ LONG_MODULES = {
                                 "and peaks, the sweep against the formulas and the simulator, the bubble widget "
                                 "(a recording beside its simulation), PipeTransformer's freeze-and-widen run and "
                                 "five problems; each part under 120 lines",
+    "dtcourse/lab/moe.py": "lesson 11's companion: routers trained with and without the balancing loss, drops against "
+                           "the capacity factor over fixed batches, all-to-all bytes on real ranks, parameters "
+                           "against FLOPs, the routing widget, parity and five problems; each part under 100 lines",
     "dtcourse/lab/checkpointing.py": "lesson 05's measurements (segment sweep, recomputation policies, fused "
                                      "attention's saved tensors, save_on_cpu), the three figures drawn from "
                                      "them, and its four problems: one lesson's companion, read beside it",

@@ -78,9 +78,12 @@ def test_drops_against_the_capacity_factor(runs):
         for cf in lab.CFS:    # E experts keep at most E C choices: no router drops less than a balanced one
             assert sweep[k, cf] >= lab.balanced_drop(N, 8, k, cf) - 1e-9
     assert lab.balanced_drop(N, 8, 1, 0.75) == 0.25 and lab.balanced_drop(N, 8, 2, 1.0) == 0.0
-    model(token_batch(model.config, lab.ROWS, seed=99)[0])               # the layer's own count on the same batch
-    dropped = sum(b.mlp.stats["dropped"].item() for b in model.blocks) / len(model.blocks)
-    assert sweep[1, 1.25] == pytest.approx(dropped, abs=1e-6)
+    own = []                                                              # the layer's own count on each batch
+    for seed in lab.SWEEP_SEEDS:
+        model(token_batch(model.config, lab.ROWS, seed=seed)[0])
+        own.append(sum(b.mlp.stats["dropped"].item() for b in model.blocks) / len(model.blocks))
+        assert lab.drop_sweep(model, seeds=[seed])[1, 1.25] == pytest.approx(own[-1], abs=1e-6)
+    assert len(own) == 16 and sweep[1, 1.25] == pytest.approx(sum(own) / len(own), abs=1e-6)   # every group N k
     figure = lab.drop_figure({"trained": sweep, "initial": lab.drop_sweep(GPT(lab.LAB_GPT))})
     assert len(figure.axes) == 2 and all(len(ax.lines) == 3 for ax in figure.axes)
 
@@ -107,6 +110,9 @@ def test_parameters_and_flops_against_the_dense_gpt():
     assert [r["E"] for r in rows] == [0, 2, 4]
     for r in rows:
         assert r["flops counted"] == r["flops formula"] and r["fwd+bwd ms"] > 0 and r["AdamW ms"] > 0
+        for key in ("fwd+bwd", "AdamW"):                                 # a median lies within its range
+            low, high = r[f"{key} range ms"]
+            assert 0 < low <= r[f"{key} ms"] <= high
     dense, four = rows[0], rows[2]
     assert four["flops formula"] - dense["flops formula"] == 2 * 2 * 16 * 4   # the router's matmuls only
     mlp = 8 * 16 * 16 + 5 * 16
@@ -135,6 +141,11 @@ def test_the_routing_widget_follows_its_controls():
     widget.E.value, widget.cf.value = 2, 0.5
     assert view.capacity == math.ceil(N * 2 / 2 * 0.5) and view.grid.images[0].get_array().shape == (2, 32)
     assert view.dropped >= 0.5 and "dropped" in view.figure.get_suptitle()
+    # one colour bar, made once, reads the gates of the image now shown; the right panel says what it counts
+    assert len(view.figure.axes) == 3 and view.colorbar.mappable is view.grid.images[0]
+    assert view.colorbar.ax.get_ylabel() == "gate"
+    assert view.colorbar.vmin == 0 and view.colorbar.vmax == pytest.approx(view.routing.gates[-32:].max().item())
+    assert view.bars.get_ylabel() == f"choices (of N k = {2 * N})"
 
 
 def test_expert_parallelism_matches_one_process_and_the_problems():

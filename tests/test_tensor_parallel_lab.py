@@ -177,9 +177,21 @@ def test_the_widget_looks_up_bytes_and_activations(traffic, saves):
     widget.dropout.value = False
     assert view.activations["measured"] == saves[4, lab.LAYOUTS[2], 0.0].nbytes
     assert view.activations["paper"] == pytest.approx(SBH / 4 * (34 + 5 * A * S / H))
+    # the stack: Korthikanti's groups, adding up to what was measured, the legend in the order of the stack
+    for x, run in enumerate((saves[1, "TP", 0.0], saves[4, lab.LAYOUTS[2], 0.0])):
+        heights = [view.groups[x, label].get_height() for _, label, *_ in lab.TERM_GROUPS]
+        assert sum(heights) * 1024 == pytest.approx(run.nbytes)
+        tops = [view.groups[x, label].get_y() + view.groups[x, label].get_height() for _, label, *_ in lab.TERM_GROUPS]
+        assert tops == sorted(tops)                                             # stacked in TERM_GROUPS' order
+    legend = [text.get_text() for text in view.ax_memory.get_legend().get_texts()]
+    assert legend[:len(lab.TERM_GROUPS)] == [label for _, label, *_ in reversed(lab.TERM_GROUPS)]
+    assert len(legend) == len(lab.TERM_GROUPS) + 2                              # and the two formulas' lines
     widget.t.value = 1
     assert view.bytes_measured == view.bytes_formula == {"forward": 0, "backward": 0}
     assert widget.image.value != first
+    # nothing is split at t = 1: no bars, and a note that says why the panel is empty
+    assert len(view.ax_bytes.patches) == 0 and view.ax_bytes.get_legend() is None
+    assert any("nothing is split" in text.get_text() for text in view.ax_bytes.texts)
     missing = lab.tp_widget({}, saves, t=3, layout="TP+SP").view                # no traffic measured at t = 3
     assert missing.bytes_measured is None and any("no measured run" in t.get_text() for t in missing.ax_bytes.texts)
 

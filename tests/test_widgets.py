@@ -1,4 +1,5 @@
-"""figure_widget: setting a control's value calls the redraw with every control's value and re-renders the image."""
+"""figure_widget: setting a control's value calls the redraw with every control's value and re-renders the image,
+and callbacks fired from two threads at once (as ipykernel's subshells fire them) end on the controls' last values."""
 
 import ipywidgets as widgets
 import pytest
@@ -62,3 +63,69 @@ def test_no_controls_is_an_error():
     figure, _ = _line_figure()
     with pytest.raises(ValueError, match="at least one control"):
         figure_widget({}, lambda: None, figure)
+
+
+def _bars_figure(layout):
+    """A figure redrawn as the course's views are: axes cleared and refilled, a layout engine at draw time."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    figure = Figure(figsize=(3, 2), layout=layout)
+    FigureCanvasAgg(figure)          # as pyplot's figures: a canvas that keeps one renderer between draws
+    ax = figure.subplots()
+
+    def redraw(height, width):
+        ax.clear()
+        ax.bar(range(width), [height] * width, color="tab:blue")
+        ax.set(ylim=(0, 10), title=f"height {height}, width {width}")
+        if layout is None:           # the course's pyplot views call tight_layout in their redraw
+            figure.subplots_adjust(0.125, 0.11, 0.9, 0.88)    # from matplotlib's defaults, so the layout
+            figure.tight_layout()                             # depends on the values, not the draw before
+
+    return figure, redraw
+
+
+@pytest.mark.parametrize("layout", [None, "constrained"])
+def test_callbacks_from_two_threads_at_once_end_on_the_last_values(layout):
+    """ipykernel runs widget callbacks in subshell threads: two at once must neither blank the image for good
+    (two interleaved draws of one figure can leave its renderer's drawing disabled) nor end on stale values."""
+    import io
+    import sys
+    import threading
+
+    import numpy as np
+    from PIL import Image
+
+    figure, redraw = _bars_figure(layout)
+    redraw(1, 1)
+    height, width = widgets.IntSlider(value=1, min=0, max=9), widgets.IntSlider(value=1, min=1, max=6)
+    box = figure_widget({"height": height, "width": width}, redraw, figure)
+    errors, start = [], threading.Barrier(2)
+
+    def move(control, values):
+        start.wait()
+        try:
+            for v in values:
+                control.value = v
+        except Exception as error:       # noqa: BLE001 -- any error a callback raised, asserted below
+            errors.append(error)
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)          # hand the GIL over often, so the two threads' draws interleave
+    try:
+        threads = [threading.Thread(target=move, args=(height, [i % 9 + 1 for i in range(40)])),
+                   threading.Thread(target=move, args=(width, [i % 6 + 1 for i in range(1, 41)]))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(switch)
+    assert errors == []
+    pixels = np.asarray(Image.open(io.BytesIO(box.image.value)).convert("L"))
+    assert (pixels < 128).mean() > 0.01                                     # not blank: bars and text are drawn
+    expected, expected_redraw = _bars_figure(layout)
+    expected_redraw(height.value, width.value)
+    assert box.image.value == png(expected)                                 # the controls' final values, shown
+    height.value = (height.value + 1) % 9                                   # and the widget still redraws
+    expected_redraw(height.value, width.value)
+    assert box.image.value == png(expected)

@@ -93,6 +93,9 @@ def test_stage3_prefetch_overlaps_gathers_with_compute_and_no_prefetch_does_not(
 def test_the_memory_widget_draws_the_prediction_and_overlays_measured_runs(runs):
     box = lab.memory_widget(runs)
     view = box.view
+    # every Ψ readout is short enough for the slider's readout box; the note says which Ψ was measured
+    assert all(len(label) <= 6 for label, _ in box.psi.options) and box.psi.label == "7.5B"
+    assert "Ψ = 1,715 on N = 2, 4" in box.note.value and box.children[2] is box.note
     assert view.state == dict(psi=75 * 10**8, world=64, stage=2, optimizer="adam", mixed=True, offload=False)
     assert [round(view.totals[s] / 1e9, 1) for s in STAGES] == [120.0, 31.4, 16.6, 1.9]
     assert view.measured == {} and view.bars["predicted", 2, "parameters"].get_height() == pytest.approx(15)
@@ -105,6 +108,10 @@ def test_the_memory_widget_draws_the_prediction_and_overlays_measured_runs(runs)
         assert (r.world, r.stage, r.rank) == (4, s, 3)  # the rank holding the padding
         for kind, nbytes in r.by_kind().items():        # drawn in kB
             assert view.bars["measured", s, kind].get_height() == pytest.approx(nbytes / 1e3)
+        # the paper's total sits above both bars of its stage, where neither bar hides it
+        tops = [b.get_y() + b.get_height() for k, b in view.bars.items() if k[1] == s]
+        assert view.labels[s].get_text() == f"{view.totals[s] / 1e3:.3g}"
+        assert view.labels[s].xy == (s, pytest.approx(max(tops))) and max(tops) > view.totals[s] / 1e3
     box.offload.value = True                            # no bf16 run offloads: the overlay goes
     assert view.measured == {} and view.bars["predicted", 3, "optimizer states"].get_height() == 0
     assert "offloaded" in view.ax.get_title()

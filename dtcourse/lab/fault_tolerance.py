@@ -416,7 +416,7 @@ def interval_figure(sweep: dict):
     import matplotlib.pyplot as plt
     from matplotlib.ticker import NullFormatter
 
-    figure, ax = plt.subplots(figsize=(COLUMN_IN * 0.75, 3.4))
+    figure, ax = plt.subplots(figsize=(COLUMN_IN, 3.4))
     plt.close(figure)
     tau, save, mtbf, restart = sweep["intervals"], sweep["save"], sweep["mtbf"], sweep["restart"]
     ax.plot(tau, 100 * sweep["exact"], "-", color="0.5", label="expected (Daly's exact formula)")
@@ -434,8 +434,8 @@ def interval_figure(sweep: dict):
     ax.set_ylabel("time lost (% of the work)")
     ax.set_title(f"C = {sweep['save']:.3g} s, MTBF = {sweep['mtbf']:.3g} s, restart R = {sweep['restart']:.3g} s",
                  fontsize=9)
-    ax.legend(fontsize=7)
-    figure.tight_layout()
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))   # beside the axes: inside, it hid the
+    figure.tight_layout()                                                 # tops of the three interval lines
     return figure
 
 

@@ -32,13 +32,13 @@ from dtcourse.runtime.launch import launch
 if TYPE_CHECKING:
     import ipywidgets
 
-__all__ = ["LAB_GPT", "EP_GPT", "COMPUTE_GPT", "ROWS", "EP_ROWS", "CFS", "Training", "train", "balance_table",
-           "training_figure", "router_logits", "drop_sweep", "balanced_drop", "drop_figure", "measure_bytes",
-           "parameters", "flops_per_token", "compute_table", "routers", "RoutingView", "routing_widget", "parity",
+__all__ = ["LAB_GPT", "EP_GPT", "COMPUTE_GPT", "ROWS", "EP_ROWS", "CFS", "SWEEP_SEEDS", "Training", "train",
+           "balance_table", "training_figure", "router_logits", "drop_sweep", "balanced_drop", "drop_figure",
+           "measure_bytes", "parameters", "flops_per_token", "compute_table", "routers", "RoutingView", "routing_widget", "parity",
            "problem_capacity", "problem_uniform_loss", "problem_skewed_drops", "problem_all_to_all_bytes",
            "problem_parameters"]
 
-# Switch's layer (top-1, capacity factor 1.25) in a tiny GPT: 80 AdamW steps of 256 tokens take about a second.
+# Switch's layer (top-1, capacity factor 1.25) in a tiny GPT: 200 AdamW steps of 256 tokens take about two seconds.
 LAB_GPT = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, d_model=32, n_expert=8, capacity_factor=1.25)
 EP_GPT = replace(LAB_GPT, top_k=2)           # GShard's top-2 for the ranks: E = 8 splits over ep = 2 and 4
 COMPUTE_GPT = GPTConfig(vocab_size=64, block_size=64, n_layer=2, n_head=4, d_model=128)   # for the step times
@@ -64,7 +64,7 @@ class Training:
         return self.tokens.float().amax(-1) / self.tokens.float().mean(-1)
 
 
-def train(alpha: float, config: GPTConfig = LAB_GPT, steps: int = 80, rows: int = ROWS, seed: int = 0) -> Training:
+def train(alpha: float, config: GPTConfig = LAB_GPT, steps: int = 200, rows: int = ROWS, seed: int = 0) -> Training:
     """AdamW (lr 3e-3) on ``token_batch`` data, a new batch each step, the Switch loss's coefficient ``alpha``: every
     step's routing kept."""
     model = GPT(replace(config, moe_aux_loss=alpha), seed=seed)
@@ -93,7 +93,7 @@ def balance_table(runs: dict[float, Training], first: int = 10) -> list[tuple]:
 
 def training_figure(runs: dict[float, Training], layer: int = 0):
     """Top: each run's share of choices per expert at every step (layer ``layer``). Bottom: max/mean choices per
-    expert and the dropped share, both layers averaged, trailing means of 5 steps over the raw values (faint)."""
+    expert and the dropped share, both layers averaged, trailing means of 10 steps over the raw values (faint)."""
     from matplotlib.figure import Figure
     figure = Figure(figsize=(COLUMN_IN, 5.0), layout="constrained")
     top, bottom = figure.subfigures(2, 1)
@@ -108,10 +108,10 @@ def training_figure(runs: dict[float, Training], layer: int = 0):
         for colour, (alpha, run) in enumerate(runs.items()):
             values = values_of(run).mean(-1).numpy()
             ax.plot(values, color=f"C{colour}", alpha=0.25, linewidth=0.8)
-            trailing = [values[max(0, i - 4):i + 1].mean() for i in range(len(values))]   # over 5 steps
+            trailing = [values[max(0, i - 9):i + 1].mean() for i in range(len(values))]   # over 10 steps
             ax.plot(trailing, color=f"C{colour}", label=f"alpha = {alpha:g}")
         ax.set(title=name, xlabel="step")
-        ax.legend(fontsize=7)
+    bottom.legend(handles=ax.lines[1::2], loc="outside lower center", ncols=len(runs), fontsize=7)   # the means
     return figure
 
 
@@ -129,9 +129,15 @@ def router_logits(model: GPT, idx: torch.Tensor) -> list[torch.Tensor]:
             hook.remove()
 
 
-def drop_sweep(model: GPT, cfs: Sequence[float] = CFS, ks: Sequence[int] = (1, 2)) -> dict[tuple[int, float], float]:
-    """``{(k, cf): dropped share}`` of the choices of every layer for a fixed batch, its router logits ``route``d."""
-    logits = router_logits(model, token_batch(model.config, ROWS, seed=99)[0])
+SWEEP_SEEDS = range(99, 115)                 # the fixed batches drop_sweep averages over
+
+
+def drop_sweep(model: GPT, cfs: Sequence[float] = CFS, ks: Sequence[int] = (1, 2),
+               seeds: Sequence[int] = SWEEP_SEEDS) -> dict[tuple[int, float], float]:
+    """``{(k, cf): dropped share}`` of the choices of every layer, over fixed batches (one per seed, each routed as
+    one group of ROWS sequences, as the layer does), their router logits ``route``d. One batch of 256 tokens alone
+    moves the share by a few points either way: the mean over 16 is what tells two routers apart."""
+    logits = [lg for seed in seeds for lg in router_logits(model, token_batch(model.config, ROWS, seed=seed)[0])]
     return {(k, cf): 1 - torch.cat([route(lg, k, cf).kept.reshape(-1) for lg in logits]).float().mean().item()
             for k in ks for cf in cfs}
 
@@ -212,7 +218,8 @@ def flops_per_token(c: GPTConfig) -> int:
 def compute_table(n_experts: Sequence[int] = (2, 4, 8), config: GPTConfig = COMPUTE_GPT, rows: int = 8,
                   steps: int = 5) -> list[dict]:
     """The dense GPT and top-1 dropless MoE GPTs: parameters, forward FLOPs per token (formula, and counted by
-    torch's FlopCounterMode), and median times of forward + backward and of the AdamW step, the models in turn."""
+    torch's FlopCounterMode), and the median, fastest and slowest of ``steps`` timed forward + backward passes
+    and AdamW steps, the models taking turns so that a busy moment of the machine hits all of them."""
     from torch.utils.flop_counter import FlopCounterMode
     idx, targets = token_batch(config, rows, seed=0)
     out, runs = [], []                                # a row per model, and what times it
@@ -234,7 +241,9 @@ def compute_table(n_experts: Sequence[int] = (2, 4, 8), config: GPTConfig = COMP
             times.append((middle - start, time.perf_counter() - middle))
     for row, (_, _, times) in zip(out, runs):
         backward, step = zip(*times[1:])
-        row.update({"fwd+bwd ms": 1e3 * statistics.median(backward), "AdamW ms": 1e3 * statistics.median(step)})
+        row.update({"fwd+bwd ms": 1e3 * statistics.median(backward), "AdamW ms": 1e3 * statistics.median(step),
+                    "fwd+bwd range ms": (1e3 * min(backward), 1e3 * max(backward)),
+                    "AdamW range ms": (1e3 * min(step), 1e3 * max(step))})
     return out
 
 
@@ -246,15 +255,20 @@ def routers(n_experts: Sequence[int] = (2, 4, 8), steps: int = 40, alpha: float 
 
 
 class RoutingView(FigureView):
-    """Left: the last ``shown`` tokens' gates, expert x token (x: dropped). Right: choices per expert, kept and
-    dropped, with C. ``show`` sets ``routing``, ``capacity``, ``dropped`` (share of choices), ``balance`` (E sum f_i
-    P_i: the Switch loss over alpha), ``z`` (the z-loss), ``tokens_per_expert`` and ``kept_per_expert``."""
+    """Left: the last ``shown`` tokens' gates, expert x token (x: dropped), with their ``colorbar``. Right: choices
+    per expert, kept and dropped, with C. ``show`` sets ``routing``, ``capacity``, ``dropped`` (share of choices),
+    ``balance`` (E sum f_i P_i: the Switch loss over alpha), ``z`` (the z-loss), ``tokens_per_expert`` and
+    ``kept_per_expert``."""
 
     def __init__(self, logits: dict[int, torch.Tensor], shown: int = 32):
         from matplotlib.figure import Figure
         self.logits, self.shown = logits, shown
         self.figure = Figure(figsize=(COLUMN_IN, 3.0), layout="constrained")
         self.grid, self.bars = self.figure.subplots(1, 2, width_ratios=(3, 2))
+        # made once, beside the grid; each show points it at the new image (clear() removes the old one)
+        self.colorbar = self.figure.colorbar(self.grid.imshow([[0.0]]), ax=self.grid, pad=0.01, aspect=15)
+        self.colorbar.set_label("gate", fontsize=8)
+        self.colorbar.ax.tick_params(labelsize=7)
 
     def show(self, n_expert: int, top_k: int, capacity_factor: float | str | None) -> None:
         cf = None if capacity_factor in (None, "dropless") else capacity_factor
@@ -270,11 +284,12 @@ class RoutingView(FigureView):
         token, j = kept.nonzero().unbind(1)
         grid[experts[token, j], token] = gates[token, j]
         self.grid.clear()
-        self.grid.imshow(grid.numpy(), aspect="auto", cmap="viridis", vmin=0, vmax=float(gates.max()))
+        image = self.grid.imshow(grid.numpy(), aspect="auto", cmap="viridis", vmin=0, vmax=float(gates.max()))
+        self.colorbar.update_normal(image)
         token, j = (~kept).nonzero().unbind(1)
         self.grid.plot(token.tolist(), experts[token, j].tolist(), "rx", markersize=5)
-        self.grid.set(xlabel=f"token (the last {self.shown} of {N})", ylabel="expert", yticks=range(n_expert),
-                      title="gate of each kept choice (x: dropped)")
+        self.grid.set(xlabel=f"token (the last {self.shown} of {N})", ylabel="expert", yticks=range(n_expert))
+        self.grid.set_title("gate of each kept choice (x: dropped)", fontsize=9)
         self.bars.clear()
         self.bars.bar(range(n_expert), self.kept_per_expert.tolist(), label="kept")
         self.bars.bar(range(n_expert), (self.tokens_per_expert - self.kept_per_expert).tolist(),
@@ -282,8 +297,11 @@ class RoutingView(FigureView):
         if r.capacity is not None:
             self.bars.axhline(r.capacity, color="black", linestyle="--", label=f"capacity C = {r.capacity}")
         self.bars.axhline(N * k / n_expert, color="grey", linestyle=":", label="balanced N k / E")
-        self.bars.set_xlabel("expert")
-        self.bars.legend(fontsize=6)
+        top = max(self.tokens_per_expert.max().item(), r.capacity or 0)
+        self.bars.set(xlabel="expert", ylabel=f"choices (of N k = {N * k})", xticks=range(n_expert),
+                      ylim=(0, 1.45 * top))                           # room for the legend above the bars
+        self.bars.set_title("choices per expert", fontsize=9)
+        self.bars.legend(fontsize=6, ncols=2, loc="upper center")
         self.figure.suptitle(f"E = {n_expert}, k = {k}, {'dropless' if cf is None else f'cf = {cf:g}'}: dropped "
                              f"{self.dropped:.1%} of the choices; E·Σ f·P = {self.balance:.3f}", fontsize=9)
 

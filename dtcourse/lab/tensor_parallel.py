@@ -474,11 +474,25 @@ def split_figure(split: Split) -> Figure:
 # --------------------------------------------------------------------------- #
 OP_COLOURS = {"all_reduce": "tab:blue", "all_gather": "tab:green", "reduce_scatter": "tab:orange",
               "re-gather": "tab:olive"}
+# The right panel stacks Korthikanti's terms in the groups of his formula sbh(10 + 24/t + 5as/(ht)), bottom to top:
+# (label inside the serial bar, legend entry, colour, terms). Twelve terms in twelve colours could not be told apart.
+TERM_GROUPS = (
+    ("10 sbh", "10sbh, whole under TP: LayerNorm, c_attn, c_fc inputs, residual masks", "tab:blue",
+     ("LayerNorm inputs", "QKV input", "MLP input", "residual dropout masks")),
+    ("stats", "LayerNorm mean, 1/std (the paper neglects them)", "lightsteelblue", ("LayerNorm mean, 1/std",)),
+    ("24 sbh", "24sbh/t, split by TP: q, k, v, c_proj input, GELU in and out", "tab:orange",
+     ("Q, K, V", "projection input", "GELU input", "GELU output")),
+    ("5 as²b", "5as²b/t, split by heads: softmax, its dropout mask and output", "tab:red",
+     ("softmax output", "attention dropout mask", "attention dropout output")),
+)
+assert sorted(n for *_, names in TERM_GROUPS for n in names) == sorted(term.name for term in TERMS)
 
 
 class TensorParallelView(FigureView):
-    """Left: the bytes one rank sends for block 0, forward and backward, by collective, against the formula.
-    Right: block 0's saved bytes per rank by term, serial beside the chosen layout, against both formulas."""
+    """Left: the bytes one rank sends for block 0, forward and backward, by collective, against the formula (at
+    t = 1 a note: nothing is split, nothing sent). Right: block 0's saved bytes per rank in ``TERM_GROUPS``, serial
+    beside the chosen layout, against both formulas; ``groups[(x, label)]`` is each bar drawn (x: 0 serial, 1 the
+    layout)."""
 
     def __init__(self, traffic: dict[tuple[int, str], Traffic], saves: dict[tuple[int, str, float], LayerSaves]):
         from matplotlib.figure import Figure
@@ -491,28 +505,32 @@ class TensorParallelView(FigureView):
         self.activations: dict[str, float] = {}
 
     def show(self, t: int, layout: str, dropout: bool) -> None:
-        from matplotlib import colormaps
-
         p = max(r.dropout for r in self.saves.values()) if dropout else 0.0
         saves, serial = self.saves[t, layout if t > 1 else "TP", p], self.saves[1, "TP", p]
         self._bytes(t, layout, saves)
-        ax = self.ax_memory
+        ax, self.groups = self.ax_memory, {}
         ax.clear()
         predicted = sum(predicted_terms(saves.s, saves.b, saves.h, saves.a, t, layout, dropout).values())
         paper = paper_layer_bytes(saves.s, saves.b, saves.h, saves.a, t, layout)
         self.activations = {"serial": serial.nbytes, "measured": saves.nbytes, "predicted": predicted, "paper": paper}
+        top = 1.75 * serial.nbytes / 1024                      # room for the legend above the bars
         for x, run in enumerate((serial, saves)):
             bottom = 0
-            for i, term in enumerate(TERMS):
-                value = run.by_term.get(term.name, 0) / 1024
-                ax.bar(x, value, bottom=bottom, color=colormaps["tab20"](i), label=term.name if x == 0 else None)
+            for short, label, colour, names in TERM_GROUPS:
+                value = sum(run.by_term.get(name, 0) for name in names) / 1024
+                self.groups[x, label] = ax.bar(x, value, 0.7, bottom=bottom, color=colour, edgecolor="white",
+                                               linewidth=0.5)[0]
+                if x == 0 and value > 0.06 * top:             # the group's name on the serial bar, where it fits
+                    ax.text(x, bottom + value / 2, short, ha="center", va="center", fontsize=7, color="white")
                 bottom += value
-        ax.plot([0.6, 1.4], [predicted / 1024] * 2, "k--", label="predicted (fp32, CPU masks)")
-        ax.plot([0.6, 1.4], [paper / 1024] * 2, "k:", label="Korthikanti (16-bit)")
-        ax.set_xticks([0, 1], ["serial", f"t = {t}, {layout}" if t > 1 else "t = 1"], fontsize=7)
+        lines = [ax.plot([0.6, 1.4], [predicted / 1024] * 2, "k--", label="predicted (fp32, CPU masks)")[0],
+                 ax.plot([0.6, 1.4], [paper / 1024] * 2, "k:", label="Korthikanti (16-bit)")[0]]
+        ax.set_xticks([0, 1], ["serial", f"t = {t}, {layout}" if t > 1 else "t = 1: the serial block"], fontsize=7)
         ax.set_ylabel("KiB saved per rank, block 0", fontsize=8)
-        ax.legend(fontsize=5.5, loc="upper right", ncols=2)
-        ax.set_ylim(0, 1.45 * serial.nbytes / 1024)
+        labels = [label for _, label, *_ in reversed(TERM_GROUPS)]                # top of the stack first
+        ax.legend([*(self.groups[0, label] for label in labels), *lines], [*labels, *(h.get_label() for h in lines)],
+                  fontsize=6, loc="upper left")
+        ax.set_ylim(0, top)
 
     def _bytes(self, t: int, layout: str, saves: LayerSaves) -> None:
         ax = self.ax_bytes
@@ -524,7 +542,11 @@ class TensorParallelView(FigureView):
         self.bytes_measured = None if log is None else {}
         if log is None:
             ax.text(0.5, 0.5, f"no measured run at t = {t}", ha="center", transform=ax.transAxes, fontsize=8)
-        for x, phase in enumerate(("forward", "backward") if log is not None else ()):
+        if t == 1:                  # one rank holds every weight whole: no collective, no bar to draw
+            self.bytes_measured = {"forward": 0, "backward": 0}
+            ax.text(0.5, 0.5, "t = 1: nothing is split,\nso no rank sends anything\nfor block 0 (0 bytes, as\n"
+                    "the formula says)", ha="center", va="center", transform=ax.transAxes, fontsize=8)
+        for x, phase in enumerate(("forward", "backward") if log is not None and t > 1 else ()):
             by_op = {op: log.total("sent", where="blocks.0", phase=phase, op=op) for op in OP_COLOURS}
             by_op["re-gather"] = regather[phase]
             self.bytes_measured[phase] = sum(by_op.values())
@@ -534,9 +556,10 @@ class TensorParallelView(FigureView):
                 bottom += value
             ax.plot([x - 0.4, x + 0.4], [self.bytes_formula[phase] / 1024] * 2, "k--", label=None if x else "formula")
         ax.set_xticks([0, 1], ["forward", "backward"], fontsize=8)
+        ax.set_xlim(-0.6, 1.6)
         ax.set_ylabel("KiB sent per rank, block 0", fontsize=8)
         ax.set_ylim(0, 1.6 * layer_bytes(max(k[0] for k in self.saves), saves.s, saves.b, saves.h) / 1024)
-        if log is not None:
+        if log is not None and t > 1:
             ax.legend(fontsize=6, loc="upper left")
 
 

@@ -12,11 +12,20 @@ them in a ``widgets.Image`` below the controls, and re-renders when a control's 
 
 The figure goes out as an image rather than through the inline backend, so it redraws in
 place, a notebook shows it once, and a test can drive it headlessly by setting ``.value``.
+
+ipykernel runs widget callbacks in threads, so two quick changes can redraw one figure at once.
+matplotlib is not thread-safe: two interleaved draws of a figure can leave its renderer's drawing
+switched off for good (a white image until the cell is re-run). Each widget therefore redraws under
+its own lock, and the last change wins: a callback whose change a later draw already shows returns
+at once, and one that sees a new change arrive while it draws draws again, so the image always
+ends on the controls' current values.
 """
 
 from __future__ import annotations
 
 import io
+import itertools
+import threading
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 if TYPE_CHECKING:   # ipywidgets is imported only when a widget is built
@@ -63,10 +72,22 @@ def figure_widget(controls: Mapping[str, ipywidgets.ValueWidget], redraw: Callab
     if not controls:
         raise ValueError("figure_widget needs at least one control to redraw the figure from, got none.")
     image = widgets.Image(value=png(figure), format="png", layout=widgets.Layout(max_width=max_width))
+    lock = threading.RLock()        # reentrant: a redraw that sets a control must not wait on itself
+    changes = itertools.count(1)    # numbers each change, in the order the values were set (next() is atomic)
+    state = {"latest": 0, "drawn": 0}   # the newest change numbered, and the newest one the image shows
 
     def on_change(_change: dict) -> None:
-        redraw(*(control.value for control in controls.values()))
-        image.value = png(figure)
+        mine = state["latest"] = next(changes)
+        with lock:
+            if state["drawn"] >= mine:      # a later callback already drew values at least this new
+                return
+            while True:
+                seen = state["latest"]      # the values read next include every change up to ``seen``
+                redraw(*(control.value for control in controls.values()))
+                image.value = png(figure)
+                if state["latest"] == seen:     # no change came in while drawing: the image is current
+                    state["drawn"] = max(state["drawn"], seen)
+                    return
 
     for control in controls.values():
         control.observe(on_change, names="value")

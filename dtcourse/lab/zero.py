@@ -383,7 +383,7 @@ def fsdp2_parity(world: int = 2, sizes: Sequence[int] = MEMORY_MLP, steps: int =
 # The memory widget
 # --------------------------------------------------------------------------- #
 _SCALES = ((1e12, "TB"), (1e9, "GB"), (1e6, "MB"), (1e3, "kB"), (1, "B"))
-PSI_OPTIONS = (("1.7k: the MLP measured", 1715), ("1M", 10**6), ("125M", 125 * 10**6), ("1.5B", 15 * 10**8),
+PSI_OPTIONS = (("1,715", 1715), ("1M", 10**6), ("125M", 125 * 10**6), ("1.5B", 15 * 10**8),
                ("7.5B", 75 * 10**8), ("175B", 175 * 10**9), ("1T", 10**12))
 WORLD_OPTIONS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 DEVICE_BYTES = 80e9                     # one 80 GB GPU, drawn as a line to fit under
@@ -394,8 +394,8 @@ class MemoryView(FigureView):
     beside it. Right: predicted device bytes per rank against N for each stage.
 
     ``bars[(which, stage, kind)]`` is each Rectangle drawn (``which``: "predicted" or "measured"),
-    ``totals[stage]`` each stage's predicted device bytes, ``measured[stage]`` the run drawn, ``lines[stage]``
-    each curve of the right panel.
+    ``totals[stage]`` each stage's predicted device bytes, written above the stage's bars as ``labels[stage]``,
+    ``measured[stage]`` the run drawn, ``lines[stage]`` each curve of the right panel.
     """
 
     def __init__(self, runs: Sequence[RankMemory] = ()):
@@ -418,7 +418,7 @@ class MemoryView(FigureView):
         self.measured = {s: r for s in STAGES if (r := self._run(psi, world, s, optimizer, mixed, offload))}
         top = max([*self.totals.values()] + [sum(r.by_kind().values()) for r in self.measured.values()])
         scale, unit = next(((v, u) for v, u in _SCALES if top >= v), (1, "B"))
-        ax, self.bars = self.ax, {}
+        ax, self.bars, self.labels = self.ax, {}, {}
         ax.clear()
         width = 0.38 if self.measured else 0.6
         for s in STAGES:
@@ -427,14 +427,17 @@ class MemoryView(FigureView):
             if s in self.measured:              # the formula for the measured model's activations
                 r = self.measured[s]
                 kinds["activations"] = activation_bytes(r.sizes, r.rows, r.mixed)
-            self._stack(s - (width / 2 if self.measured else 0), width, kinds, "predicted", s, scale, alpha)
+            high = self._stack(s - (width / 2 if self.measured else 0), width, kinds, "predicted", s, scale, alpha)
             if s in self.measured:
-                self._stack(s + width / 2, width, self.measured[s].by_kind(), "measured", s, scale, alpha, "//")
-            ax.annotate(f"{p.device / scale:.3g}", (s, p.device / scale), ha="center", va="bottom", fontsize=8)
+                high = max(high, self._stack(s + width / 2, width, self.measured[s].by_kind(), "measured", s,
+                                             scale, alpha, "//"))
+            # the paper's total for the stage, above both bars: inside them the hatching would hide it
+            self.labels[s] = ax.annotate(f"{p.device / scale:.3g}", (s, high), xytext=(0, 2),
+                                         textcoords="offset points", ha="center", va="bottom", fontsize=8)
         from matplotlib.patches import Patch
 
         ax.set_xticks(list(STAGES), [f"stage {s}" for s in STAGES])
-        ax.set_ylabel(f"{unit} per rank")
+        ax.set_ylabel(f"{unit} per rank (on top: model states)")
         ax.set_ylim(0, 1.45 * top / scale)                     # room for the legend above the bars
         shown = list(dict.fromkeys(k[2] for k in self.bars))
         handles = [Patch(color=KINDS[k], label=k) for k in shown]
@@ -449,13 +452,15 @@ class MemoryView(FigureView):
         self._draw_curves(psi, world, stage, optimizer, mixed, offload, scale, unit)
 
     def _stack(self, x: float, width: float, kinds: dict[str, float], which: str, stage: int, scale: float,
-               alpha: float, hatch: str | None = None) -> None:
+               alpha: float, hatch: str | None = None) -> float:
+        """Draws one bar of ``kinds`` stacked bottom to top; returns its top."""
         bottom = 0.0
         for kind, nbytes in kinds.items():
             (bar,) = self.ax.bar(x, nbytes / scale, width, bottom=bottom, color=KINDS[kind], alpha=alpha,
                                  hatch=hatch, edgecolor="black", linewidth=0.3)
             self.bars[which, stage, kind] = bar
             bottom += nbytes / scale
+        return bottom
 
     def _draw_curves(self, psi: int, world: int, stage: int, optimizer: str, mixed: bool, offload: bool,
                      scale: float, unit: str) -> None:
@@ -487,8 +492,10 @@ def memory_widget(runs: Sequence[RankMemory] = ()) -> ipywidgets.VBox:
     import ipywidgets as widgets
 
     view = MemoryView(runs)
-    psi_options = list(PSI_OPTIONS) + [(f"{r.psi:,}: measured", r.psi) for r in runs
+    psi_options = list(PSI_OPTIONS) + [(f"{r.psi:,}", r.psi) for r in runs    # readouts short enough to show
                                         if r.psi not in {v for _, v in PSI_OPTIONS}]
+    measured = {r.psi: sorted({q.world for q in runs if q.psi == r.psi}) for r in runs}
+    note = "; ".join(f"Ψ = {psi:,} on N = {', '.join(map(str, worlds))}" for psi, worlds in measured.items())
     controls = {
         "psi": widgets.SelectionSlider(options=list(dict.fromkeys(psi_options)), value=75 * 10**8,
                                        description="Ψ"),
@@ -500,10 +507,12 @@ def memory_widget(runs: Sequence[RankMemory] = ()) -> ipywidgets.VBox:
         "mixed": widgets.Checkbox(value=True, description="mixed precision"),
         "offload": widgets.Checkbox(value=False, description="offload K to host"),
     }
-    box = figure_widget(controls, view.show, view.figure, view=view)
+    box = figure_widget(controls, view.show, view.figure, view=view,
+                        note=widgets.Label(f"Measured runs, drawn hatched beside the prediction: {note}."
+                                           if runs else "No measured runs: the bars are the paper's formulas."))
     row, image = box.children            # two rows of three controls read better than one of six
     items = list(controls.values())
-    box.children = (widgets.HBox(items[:3]), widgets.HBox(items[3:]), image)
+    box.children = (widgets.HBox(items[:3]), widgets.HBox(items[3:]), box.note, image)
     return box
 
 
