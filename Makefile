@@ -1,5 +1,11 @@
 # The two commands a new user needs:  `make lab`  and  `make test`.
-PYTHON ?= python3.11
+# The course runs on Python 3.11, 3.12 and 3.13: the first of these found that runs is used, or
+# PYTHON=/path/to/python3.x picks one (run with one of them when none is found).
+SUPPORTED_PYTHONS := python3.11 python3.12 python3.13 python3
+supported = import sys; sys.exit(not (3, 11) <= sys.version_info[:2] <= (3, 13))
+ifeq ($(origin PYTHON),undefined)
+PYTHON := $(firstword $(foreach p,$(SUPPORTED_PYTHONS),$(shell $(p) -c '$(supported)' >/dev/null 2>&1 && echo $(p))))
+endif
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.dtcourse-installed
@@ -17,7 +23,11 @@ QUIET_EDITABLE := ignore::UserWarning:setuptools.command.editable_wheel
 # Re-installs only when the pins change. One thread per process keeps the
 # 2-core CI machine from oversubscribing while several ranks run.
 $(STAMP): pyproject.toml
-	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
+	@test -x $(PY) || { test -n "$(PYTHON)" && $(PYTHON) -c '$(supported)'; } || { \
+		echo "dtcourse needs Python 3.11, 3.12 or 3.13: $(if $(PYTHON),$(PYTHON) is not one of them (or does not run),none of $(SUPPORTED_PYTHONS) on the PATH is)."; \
+		echo "Install one (python.org, your package manager, pyenv or conda), or name it: make PYTHON=/path/to/python3.12"; \
+		exit 1; }
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	PYTHONWARNINGS=$(QUIET_EDITABLE) $(PY) -m pip install --quiet -e '.[dev]'
 	@touch $(STAMP)
