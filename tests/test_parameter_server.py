@@ -328,9 +328,10 @@ def test_a_stalled_worker_costs_async_and_ssp_bounds_it():
         finals[config.mode] = (bowl.loss(model, *bowl.eval_batch()).item(), max(u.staleness for u in run.updates))
     assert finals["ssp"][1] <= 1 and finals["async"][1] >= 4          # the bound holds; async's push is late
     # The late push drags async back toward the error of iteration 3; worker 3 then finishes alone, at 1/N
-    # of a step per push. Measured ~1e-3 against ~1e-8 (and ~1e-9 with 20 steps, as in the lesson):
-    # 100x is far inside that.
-    assert finals["async"][0] > 100 * finals["ssp"][0]
+    # of a step per push. Measured ~1e-3 against ~1e-8 on a quiet machine (and ~1e-9 with 20 steps, as in the
+    # lesson), but how far the others got while worker 3 slept depends on the scheduler: in a make test run on
+    # two loaded cores, 1.35e-5 against 3.5e-7 (38x). 10x: an order of magnitude, which every run has shown.
+    assert finals["async"][0] > 10 * finals["ssp"][0]
 
 
 # --------------------------------------------------------------------------- #
