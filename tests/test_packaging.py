@@ -106,3 +106,38 @@ def test_students_jupyterlab_hides_nbgrader_and_the_news_popup_and_instructors_g
     assert all(server_extensions([course]).values())
     makefile = (ROOT / "Makefile").read_text()
     assert "JUPYTER_CONFIG_PATH=$(CURDIR)/.jupyter/student:$(CURDIR)/.jupyter/course" in makefile
+
+
+def _make_setup(tmp_path, *args, path=None):
+    """``make setup`` on a copy of the Makefile and pyproject with no venv yet (nothing is installed: every
+    case below stops before pip, or is a dry run)."""
+    import os
+    import shutil
+    import subprocess
+    for name in ("Makefile", "pyproject.toml"):
+        shutil.copy(ROOT / name, tmp_path / name)
+    env = dict(os.environ, **({"PATH": path} if path else {}))
+    env.pop("PYTHON", None)
+    make = shutil.which("make")                                          # found before PATH changes
+    return subprocess.run([make, "-s", "setup", *args], cwd=tmp_path, env=env, capture_output=True, text=True)
+
+
+def test_make_refuses_an_unsupported_python_and_says_which_work(tmp_path):
+    out = _make_setup(tmp_path, "PYTHON=python2.7")
+    assert out.returncode != 0
+    assert "dtcourse needs Python 3.11, 3.12 or 3.13: python2.7 is not one of them (or does not run)." in out.stdout
+    assert "make PYTHON=/path/to/python3.12" in out.stdout
+    none = _make_setup(tmp_path, path=str(tmp_path))                    # a PATH with no Python on it
+    assert none.returncode != 0 and "none of python3.11 python3.12 python3.13 python3 on the PATH is" in none.stdout
+
+
+def test_make_picks_a_supported_python_and_torch_index_goes_first(tmp_path):
+    import sys
+    dry = _make_setup(tmp_path, "-n", f"PYTHON={sys.executable}", "TORCH_INDEX=https://example.invalid/cpu")
+    lines = dry.stdout.splitlines()
+    assert any(f"{sys.executable} -m venv .venv" in line for line in lines), dry.stdout
+    torch_line = next(i for i, line in enumerate(lines) if "--index-url https://example.invalid/cpu" in line)
+    assert "'torch==2.13.0'" in lines[torch_line]
+    assert torch_line < next(i for i, line in enumerate(lines) if "-e '.[dev]'" in line)   # torch first, then the rest
+    plain = _make_setup(tmp_path, "-n", f"PYTHON={sys.executable}")
+    assert "--index-url" not in plain.stdout
