@@ -12,7 +12,7 @@ STAMP  := $(VENV)/.dtcourse-installed
 # Notebooks call `!torchrun` and `jupyter`: find the venv's copies first.
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: setup lab lab-instructor test exercises bench gpu-check clean
+.PHONY: setup lab lab-instructor notebook test exercises bench gpu-check clean
 
 setup: $(STAMP)
 
@@ -52,6 +52,13 @@ lab: setup
 
 lab-instructor: setup
 	JUPYTER_CONFIG_PATH=$(CURDIR)/.jupyter/course $(LAB)
+
+# The same course in Jupyter Notebook 7, for students who prefer its one-document view (every lesson
+# ran and every widget responded there under headless Chromium: tests/browser_check.py).
+notebook: setup
+	JUPYTER_CONFIG_PATH=$(CURDIR)/.jupyter/student:$(CURDIR)/.jupyter/course OMP_NUM_THREADS=1 \
+	$(VENV)/bin/jupyter notebook --ServerApp.root_dir=. \
+	--JupyterNotebookApp.default_url=/notebooks/lessons/00_memory.ipynb $(if $(filter 0,$(shell id -u)),--allow-root,)
 
 # The lessons run while tests/busy.py keeps every core busy: their live measurements must
 # survive a student's loaded laptop. The solutions run on a quiet machine.
