@@ -82,7 +82,6 @@ class ExpertParallelMoE(nn.Module):
         out = out.view(B, T, C)
         return _AttachAux.apply(out, aux) if self.training else out
 
-
     def _arrived(self, routing, plan) -> list[int]:
         """The kept choices each local expert received from all ranks. Dropless: its rows. Padded: every expert
         receives C slots from each rank, padding or not, so the ranks exchange how many were filled (E/ep

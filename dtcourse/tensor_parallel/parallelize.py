@@ -251,7 +251,7 @@ class TensorParallel:
     def __init__(self, model: GPT, group: dist.ProcessGroup | None,
                  optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
                  sequence_parallel: bool = False, traffic: Traffic | None = None, mesh: Mesh | None = None):
-        self.group, self.sequence_parallel = tensor_parallel_group(group, mesh), sequence_parallel
+        self.group = tensor_parallel_group(group, mesh)
         self.traffic = Traffic() if traffic is None else traffic
         self.model = parallelize(model, self.group, sequence_parallel, self.traffic)
         self.optimizer = optimizer(self.model.parameters())   # this rank's shards: AdamW is elementwise
