@@ -12,7 +12,7 @@ STAMP  := $(VENV)/.dtcourse-installed
 # Notebooks call `!torchrun` and `jupyter`: find the venv's copies first.
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: setup lab lab-instructor notebook test exercises bench gpu-check clean
+.PHONY: setup lab lab-instructor notebook test stress exercises bench gpu-check clean
 
 setup: $(STAMP)
 
@@ -77,6 +77,12 @@ test: setup
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(call workers,$(TEST_JOBS),loadfile) tests
 	OMP_NUM_THREADS=1 $(PY) tests/busy.py -- $(PY) -m pytest -q $(NBVAL) lessons
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(NBVAL) solutions
+
+# Every lesson STRESS_RUNS times beside two busy processes per core (twice make test's load), with the
+# failing cells counted per lesson; run by hand (about 35 minutes on the 2-core box), not by CI.
+STRESS_RUNS ?= 10
+stress: setup
+	$(PY) tests/stress_lessons.py --runs $(STRESS_RUNS) --logs /tmp/dtcourse-stress
 
 # Regenerate the student notebooks from solutions/ (needs no nbgrader).
 exercises:

@@ -46,7 +46,8 @@ def main(argv: list[str] | None = None) -> None:
                   + f"   median wait per pull, ranks 1-3: {1e3 * waits:5.1f} ms")
 
     runs = staleness_sweep()
-    print("\nrank 4 stalls once for 0.3 s; SGD on a round quadratic, lr 0.25:")
+    print("\nrank 4 stalls once, after its first gradient, until the others can go no further (ps.Stall); "
+          "SGD on a round quadratic, lr 0.25:")
     for name, run in runs.items():
         print(f"  {name:>9}: staleness histogram {staleness_counts(run)}, final loss {final_loss(run):.1e}, "
               f"{run.seconds:.2f} s")

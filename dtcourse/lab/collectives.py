@@ -272,9 +272,11 @@ def fit_link(world_size: int, sizes: list[int] | None = None, repeats: int = 7, 
     """alpha and beta fitted to a ring shift on ``world_size`` ranks, gamma from a timed addition.
 
     A fit that comes out non-positive (a noisy machine) is measured again, up to ``attempts``
-    times; then ``fit_alpha_beta``'s ``ValueError`` says what went wrong.
+    times; then ``fit_alpha_beta``'s ``ValueError`` says what went wrong. The largest message, 16 MB,
+    takes tens of ms to move even on a loaded laptop, far above the few ms a busy scheduler adds to
+    every message (with 2 MB at most, a make test run under load once saw every size take 2.6 ms).
     """
-    sizes = sizes or [4, 16 << 10, 256 << 10, 2 << 20]
+    sizes = sizes or [4, 16 << 10, 256 << 10, 2 << 20, 16 << 20]
     for attempt in range(attempts):
         samples, gamma = launch(_link_rank, world_size, sizes, repeats, timeout=300)[0]
         try:

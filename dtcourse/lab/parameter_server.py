@@ -26,14 +26,15 @@ import torch
 from dtcourse.collectives import ByteCounter, ring_all_reduce
 from dtcourse.lab.problems import Answer
 from dtcourse.lab.widgets import COLUMN_IN
-from dtcourse.parameter_server import Problem, PSConfig, PSRun, Quadratic, train
+from dtcourse.parameter_server import Problem, PSConfig, PSRun, Quadratic, Stall, train
 from dtcourse.parameter_server.actor_learner import ActorLearnerConfig, ActorLearnerRun, act_and_learn, greedy_return
 from dtcourse.parameter_server.rpc import RPCRun, rpc_train
 from dtcourse.runtime.launch import launch
 from dtcourse.runtime.timeline import Recording, Span
 
 __all__ = ["traffic", "traffic_table", "traffic_figure", "straggler_runs", "step_times", "recording",
-           "staleness_sweep", "loss_curve", "final_loss", "staleness_counts", "convergence_figure", "label",
+           "answered_after_delays", "staleness_sweep", "loss_curve", "final_loss", "staleness_counts",
+           "convergence_figure", "label",
            "rpc_comparison", "rpc_table", "actor_learner_runs", "late_return", "pull_waits", "actor_learner_figure", "SWEEP_PROBLEM",
            "problem_sharded_link", "problem_colocated_machine", "problem_ssp_staleness",
            "problem_actor_staleness", "problem_pull_bytes"]
@@ -125,6 +126,24 @@ def straggler_runs(world_size: int = 5, delay: float = 0.03, steps: int = 12, bo
     return {label(c): train(c, problem) for c in configs}
 
 
+def answered_after_delays(run: PSRun, lag: int) -> bool:
+    """True when every pull of iteration c >= ``lag``, by every worker, was answered after every injected
+    delay of iteration c - ``lag`` had ended: who waited for whom, read from the recorded spans.
+
+    The protocol guarantees it with lag = s + 1 (sync: s = 0): the server answers a pull of iteration
+    c only once every worker's push of iteration c - s - 1 is in, and a push follows its worker's delay.
+    ``time.perf_counter`` is one clock for all the processes of a machine (Linux: CLOCK_MONOTONIC)."""
+    slept: dict[int, float] = {}
+    for t in run.workers:
+        for kind, name, _, end in t.spans:
+            if kind == "delay":
+                c = int(name.split()[-1])
+                slept[c] = max(slept.get(c, end), end)
+    return all(end >= slept[int(name.split()[-1]) - lag]
+               for t in run.workers for kind, name, _, end in t.spans
+               if kind == "wait" and int(name.split()[-1]) - lag in slept)
+
+
 def step_times(runs: dict[str, PSRun]) -> dict[str, list[float]]:
     """Each worker's mean seconds per iteration, per run."""
     return {name: run.seconds_per_iteration() for name, run in runs.items()}
@@ -153,15 +172,18 @@ def pull_waits(runs: dict[str, PSRun]) -> dict[str, float]:
 # Convergence against staleness
 # --------------------------------------------------------------------------- #
 def staleness_sweep(bounds: tuple[float, ...] = (0, 1, 3, math.inf), world_size: int = 5, steps: int = 20,
-                    lr: float = 0.25, pause: float = 0.3, problem: Problem = SWEEP_PROBLEM) -> dict[str, PSRun]:
-    """One run per bound. The last worker stalls once, for ``pause`` seconds, at its own index's iteration
-    (worker 3 at iteration 3): a garbage-collection pause or a preempted machine."""
+                    lr: float = 0.25, problem: Problem = SWEEP_PROBLEM) -> dict[str, PSRun]:
+    """One run per bound. The last worker stalls once, right after computing its first gradient, for as
+    long as the others can go on without it (``Stall``): a garbage-collection pause or a preempted
+    machine, whose length the protocol sets rather than the scheduler. Its stalled push was computed
+    on version 0, the one every worker's first pull gets, so its staleness is fixed too: s under
+    SSP, steps - 1 in async (applied after every other push)."""
     n = world_size - 1
     runs = {}
     for s in bounds:
         mode = "async" if s == math.inf else "ssp"
         config = PSConfig(world_size=world_size, mode=mode, bound=None if mode == "async" else s, steps=steps,
-                          lr=lr, delays=(0.0,) * (n - 1) + (pause,), delay_period=steps)
+                          lr=lr, stall=Stall(worker=n - 1, step=0))
         runs[label(config)] = train(config, problem)
     return runs
 

@@ -34,7 +34,8 @@ error that names it (``WorkerFailure``). ``messages.py`` says why.
 
 The files, in the order a run uses them:
 
-* ``config.py``: ``PSConfig`` (who serves, the mode, stragglers), ``Fault`` (an injected failure),
+* ``config.py``: ``PSConfig`` (who serves, the mode, stragglers), ``Stall`` (a worker that stalls
+  once, for as long as the protocol lets the others run), ``Fault`` (an injected failure),
   ``Problem`` (the model and each worker's data) and ``Quadratic`` (a least-squares bowl).
 * ``messages.py``: the protocol: key ranges (``shard_ranges``), tags, counted sends and receives
   with deadlines, a push (``Request``) and ``WorkerFailure``.
@@ -54,12 +55,12 @@ Example::
     run.params, [u.staleness for u in run.updates], run.busiest_link()
 """
 
-from dtcourse.parameter_server.config import MODES, Fault, Problem, PSConfig, Quadratic
+from dtcourse.parameter_server.config import MODES, Fault, Problem, PSConfig, Quadratic, Stall
 from dtcourse.parameter_server.job import ParameterServerError, PSRun, ps_rank, reference_sgd, train
 from dtcourse.parameter_server.messages import Request, WorkerFailure, shard_ranges
 from dtcourse.parameter_server.server import ParameterServer, ServerBase, ServerResult, Update, staleness
 from dtcourse.parameter_server.worker import WorkerTrace, run_worker
 
-__all__ = ["PSConfig", "Fault", "Problem", "Quadratic", "Request", "Update", "ServerBase", "ParameterServer",
+__all__ = ["PSConfig", "Stall", "Fault", "Problem", "Quadratic", "Request", "Update", "ServerBase", "ParameterServer",
            "WorkerFailure", "ParameterServerError", "WorkerTrace", "ServerResult", "PSRun", "shard_ranges",
            "staleness", "run_worker", "ps_rank", "train", "reference_sgd", "MODES"]

@@ -1,7 +1,8 @@
-"""What a parameter-server run is: ``PSConfig`` (roles, consistency mode, stragglers), the
-injected ``Fault`` and ``_fail`` that carries it out, and the ``Problem`` the workers train on.
+"""What a parameter-server run is: ``PSConfig`` (roles, consistency mode, stragglers), a
+``Stall``, the injected ``Fault`` and ``_fail`` that carries it out, and the ``Problem`` the workers train on.
 
     PSConfig(world_size=4, num_servers=1, mode="ssp", bound=1, delays=(0, 0, 0.02))
+    PSConfig(world_size=5, mode="async", stall=Stall(worker=3, step=3))
 """
 
 from __future__ import annotations
@@ -30,6 +31,19 @@ class Fault:
     kind: str = "hang"
 
 
+@dataclass(frozen=True)
+class Stall:
+    """Worker ``worker`` stalls after computing its gradient of iteration ``step`` (a garbage-collection
+    pause, a preempted machine) for as long as the other workers can go on without it.
+
+    The length is set by the protocol, not by a clock: each server holds that push back until no
+    other worker owes it one, because the others have finished (async) or wait at their bound (SSP,
+    sync). So a run gives the same staleness on a quiet laptop and on a busy one.
+    """
+
+    worker: int
+    step: int
+
 
 def _fail(fault: Fault, worker: int, step: int) -> None:
     if fault is None or (fault.worker, fault.step) != (worker, step):
@@ -56,6 +70,7 @@ class PSConfig:
     delay_period: int = 1             # worker i is slow in iterations c with (c - i) % period == 0
     timeout: float = 10.0             # seconds a server waits for a worker that owes it a message
     fault: Fault | None = None
+    stall: Stall | None = None
 
     def __post_init__(self) -> None:
         name = "PSConfig"
@@ -101,6 +116,11 @@ class PSConfig:
                               or not 0 <= f.step < self.steps):
             raise ValueError(f"{name}: fault {f} needs kind in {FAULTS}, worker in [0, {self.num_workers}) "
                              f"and step in [0, {self.steps}).")
+
+        st = self.stall
+        if st is not None and not (0 <= st.worker < self.num_workers and 0 <= st.step < self.steps):
+            raise ValueError(f"{name}: stall {st} needs worker in [0, {self.num_workers}) and step in "
+                             f"[0, {self.steps}).")
 
     @property
     def num_workers(self) -> int:

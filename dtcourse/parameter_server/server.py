@@ -71,10 +71,26 @@ class ServerBase:
         self.updates: list[Update] = []
         self.counter = ByteCounter()
         self._sends: dict[int, list] = {}
+        self._held: Request | None = None      # a stalled push (config.stall), not yet handed out
 
     def next_request(self, owed: Mapping[int, float]) -> Request:
         """The next push from any worker. ``owed`` maps each worker that owes this server a push to the
-        ``time.perf_counter()`` since when; past ``config.timeout`` this raises ``WorkerFailure``."""
+        ``time.perf_counter()`` since when; past ``config.timeout`` this raises ``WorkerFailure``.
+
+        A ``config.stall`` push is held back, as if still on its way, until no other worker owes one."""
+        held = self._held
+        others = {w: t for w, t in owed.items() if held is None or w != held.worker}
+        if held is not None and not others:                  # nobody else can push: the stall ends
+            self._held = None
+            return held
+        request = self._receive(others)
+        stall = self.config.stall
+        if stall is not None and (request.worker, request.clock) == (stall.worker, stall.step):
+            self._held = request
+            return self.next_request(owed)
+        return request
+
+    def _receive(self, owed: Mapping[int, float]) -> Request:
         header = torch.empty(3, dtype=torch.int64)          # [worker, clock, read_version]
         limit = None if not owed else min(owed.values()) + self.config.timeout - time.perf_counter()
         try:
