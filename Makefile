@@ -12,7 +12,7 @@ STAMP  := $(VENV)/.dtcourse-installed
 # Notebooks call `!torchrun` and `jupyter`: find the venv's copies first.
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: setup lab lab-instructor notebook test stress exercises bench gpu-check clean
+.PHONY: setup lab lab-instructor notebook test site stress exercises bench gpu-check clean
 
 setup: $(STAMP)
 
@@ -21,10 +21,14 @@ setup: $(STAMP)
 QUIET_EDITABLE := ignore::UserWarning:setuptools.command.editable_wheel
 
 # Which torch build: PyPI's torch for Linux is the CUDA build (the venv took 5.1 GB with it on Python 3.12
-# here). On a laptop without an NVIDIA GPU, TORCH_INDEX=https://download.pytorch.org/whl/cpu installs the
-# pinned version from PyTorch's CPU index first (a 190 MB wheel, 750 MB installed), and the rest keeps it.
+# here). TORCH_PIN, the version the course's figures were measured with, goes in first; the rest then keeps
+# it (pyproject.toml accepts the range that passed make test). On a laptop without an NVIDIA GPU,
+# TORCH_INDEX=https://download.pytorch.org/whl/cpu takes it from PyTorch's CPU index (a 190 MB wheel).
+# KEEP_TORCH=1 keeps the torch that PYTHON already has (a cluster's own build): the venv sees PYTHON's
+# packages, and pip installs a torch only when that one is outside pyproject.toml's range.
+TORCH_PIN ?= torch==2.13.0
 TORCH_INDEX ?=
-TORCH_PIN := $(shell sed -n 's/^ *"\(torch==[^"]*\)".*/\1/p' pyproject.toml)
+KEEP_TORCH ?=
 
 # Re-installs only when the pins change. One thread per process keeps the
 # 2-core CI machine from oversubscribing while several ranks run.
@@ -33,10 +37,11 @@ $(STAMP): pyproject.toml
 		echo "dtcourse needs Python 3.11, 3.12 or 3.13: $(if $(PYTHON),$(PYTHON) is not one of them (or does not run),none of $(SUPPORTED_PYTHONS) on the PATH is)."; \
 		echo "Install one (python.org, your package manager, pyenv or conda), or name it: make PYTHON=/path/to/python3.12"; \
 		exit 1; }
-	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@test -x $(PY) || $(PYTHON) -m venv $(if $(KEEP_TORCH),--system-site-packages )$(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(if $(TORCH_INDEX),$(PY) -m pip install --quiet '$(TORCH_PIN)' --index-url $(TORCH_INDEX),)
+	$(if $(KEEP_TORCH),,$(PY) -m pip install --quiet '$(TORCH_PIN)' $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX),))
 	PYTHONWARNINGS=$(QUIET_EDITABLE) $(PY) -m pip install --quiet -e '.[dev]'
+	@$(PY) -c 'import torch; print(f"dtcourse: torch {torch.__version__} in $(VENV)")'
 	@touch $(STAMP)
 
 # JupyterLab serves the whole course (lessons/, exercises/, solutions/) and opens the first
@@ -77,6 +82,12 @@ test: setup
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(call workers,$(TEST_JOBS),loadfile) tests
 	OMP_NUM_THREADS=1 $(PY) tests/busy.py -- $(PY) -m pytest -q $(NBVAL) lessons
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(NBVAL) solutions
+
+# The course as a static web site in site/: every lesson executed here, one HTML page each with its outputs
+# and figures, widgets as their pictures, and site/index.html listing the lessons in order (dtcourse/site.py
+# says how and why nbconvert). Not part of make test: it runs every lesson once more.
+site: setup
+	$(PY) -m dtcourse.site --out site
 
 # Every lesson STRESS_RUNS times beside two busy processes per core (twice make test's load), with the
 # failing cells counted per lesson; run by hand (about 35 minutes on the 2-core box), not by CI.

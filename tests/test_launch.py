@@ -14,6 +14,7 @@ import torch.distributed as dist
 import dtcourse
 from dtcourse import LaunchError, LaunchTimeout, RankError, launch
 from dtcourse.runtime import processes, results
+from dtcourse.runtime import rank as rank_module
 from dtcourse.runtime.device import choose_backend, gpu_count
 
 
@@ -232,7 +233,7 @@ def test_an_error_in_a_rank_set_up_never_runs_the_parent_code(tmp_path, monkeypa
         raise KeyboardInterrupt
 
     monkeypatch.delenv("DTCOURSE_FRESH_RANKS", raising=False)        # forked ranks: they see this monkeypatch
-    monkeypatch.setattr(processes, "_set_parent_death_signal", interrupted_set_up)
+    monkeypatch.setattr(rank_module, "_set_parent_death_signal", interrupted_set_up)
     try:
         with pytest.raises(LaunchError, match=r"rank \d exited with code 70 while setting itself up"):
             launch(lambda: "never runs", 2, timeout=20)

@@ -21,16 +21,29 @@ def _environment_pins() -> set[str]:
     return {m.group(1) for m in re.finditer(r"^\s+-\s+([A-Za-z0-9_.\-]+==[^\s#]+)", pip_block, re.M)}
 
 
-def test_environment_yml_has_the_same_pins_as_pyproject():
-    assert _environment_pins() == _pyproject_pins()
+def _makefile_torch_pin() -> str:
+    return re.search(r"^TORCH_PIN \?= (\S+)$", (ROOT / "Makefile").read_text(), re.M).group(1)
+
+
+def _torch_range() -> str:
+    return next(d for d in _pyproject_pins() if d.startswith("torch"))
+
+
+def test_environment_yml_has_the_same_pins_as_pyproject_and_the_makefiles_torch():
+    torch_range = _torch_range()
+    assert _environment_pins() == _pyproject_pins() - {torch_range} | {_makefile_torch_pin()}
     text = (ROOT / "environment.yml").read_text()
     assert "conda-forge" in text and "python=3.11" in text and "-e ." in text
 
 
-def test_every_dependency_is_pinned_exactly_and_torch_is_2_13():
-    pins = _pyproject_pins()
+def test_every_dependency_but_torch_is_pinned_exactly_and_the_torch_pin_is_in_the_range():
+    from packaging.specifiers import SpecifierSet
+
+    pins = _pyproject_pins() - {_torch_range()}
     assert all("==" in p for p in pins), pins
-    assert "torch==2.13.0" in pins
+    assert _makefile_torch_pin() == "torch==2.13.0"
+    supported = SpecifierSet(_torch_range().removeprefix("torch"))
+    assert "2.13.0" in supported and "2.12.1" not in supported       # the measured pin; 2.12 lacks what 2.13 has
 
 
 def test_top_level_layout():
@@ -140,4 +153,12 @@ def test_make_picks_a_supported_python_and_torch_index_goes_first(tmp_path):
     assert "'torch==2.13.0'" in lines[torch_line]
     assert torch_line < next(i for i, line in enumerate(lines) if "-e '.[dev]'" in line)   # torch first, then the rest
     plain = _make_setup(tmp_path, "-n", f"PYTHON={sys.executable}")
-    assert "--index-url" not in plain.stdout
+    assert "--index-url" not in plain.stdout and "'torch==2.13.0'" in plain.stdout
+    assert "--system-site-packages" not in plain.stdout
+
+
+def test_keep_torch_uses_the_pythons_own_torch_and_installs_none_first(tmp_path):
+    import sys
+    keep = _make_setup(tmp_path, "-n", f"PYTHON={sys.executable}", "KEEP_TORCH=1")
+    assert f"{sys.executable} -m venv --system-site-packages .venv" in keep.stdout, keep.stdout
+    assert "torch==" not in keep.stdout and "-e '.[dev]'" in keep.stdout

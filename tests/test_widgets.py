@@ -129,3 +129,27 @@ def test_callbacks_from_two_threads_at_once_end_on_the_last_values(layout):
     height.value = (height.value + 1) % 9                                   # and the widget still redraws
     expected_redraw(height.value, width.value)
     assert box.image.value == png(expected)
+
+
+def test_a_page_that_cannot_run_widgets_gets_the_current_picture_and_the_settings(monkeypatch):
+    import base64
+
+    from IPython.core.formatters import DisplayFormatter
+
+    figure, line = _line_figure()
+    slider = widgets.IntSlider(value=0, min=0, max=9, description="height")
+    dropdown = widgets.Dropdown(options=["a", "b"], value="a", description="kind:")
+    box = figure_widget({"slider": slider, "dropdown": dropdown}, lambda h, k: line.set_ydata([0, h]), figure)
+    box.slider.value = 4
+    formatter = DisplayFormatter()
+    monkeypatch.delenv("DTCOURSE_STATIC_WIDGETS", raising=False)
+    live, _ = formatter.format(box)
+    assert "application/vnd.jupyter.widget-view+json" in live and "image/png" not in live
+    monkeypatch.setenv("DTCOURSE_STATIC_WIDGETS", "0")
+    assert "application/vnd.jupyter.widget-view+json" in formatter.format(box)[0]
+    monkeypatch.setenv("DTCOURSE_STATIC_WIDGETS", "1")
+    still, _ = formatter.format(box)
+    assert "application/vnd.jupyter.widget-view+json" not in still
+    assert base64.b64decode(still["image/png"]) == box.image.value == png(figure)     # the picture as it stands
+    assert "height = 4, kind = a" in still["text/plain"]
+    assert still["image/png"] in still["text/html"] and "height = 4, kind = a" in still["text/html"]

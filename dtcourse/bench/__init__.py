@@ -1,7 +1,8 @@
 """Benchmarks, one per stem (``dtcourse bench <stem>``): each times an implementation against its reference in
 the same run, the variants taking turns step by step so that a burst of load from elsewhere hits them alike.
 
-Shared by them: ``turns`` (the order of one round, rotating), ``step_times`` (a variant's step times with their
+Shared by them: ``turns`` (the order of one round, rotating; from ``dtcourse.runtime.turns``, since lesson 01's
+measurements take turns too), ``step_times`` (a variant's step times with their
 median and quartiles, in ms),
 ``paired_ratio`` (the median of the step-by-step ratios of two variants that took turns), ``find`` and
 ``paired`` (a row of results, and a row's paired ratio to the reference variant at its world size); for the
@@ -14,18 +15,10 @@ from __future__ import annotations
 import statistics
 from typing import Sequence
 
+from dtcourse.runtime.turns import turns
+
 __all__ = ["turns", "step_times", "paired_ratio", "find", "paired", "text_table", "times_cell", "ratio_cell",
            "world_panels", "bars", "finish"]
-
-
-def turns(variants: Sequence, round_: int) -> list:
-    """The order of round ``round_``: each round starts one variant later, so that over len(variants) rounds
-    every variant runs in every place once. Place matters: gloo's all-reduce, timed three times per round
-    on 4 ranks at 16 MB, was 1-8% slower in the first place than in the later two (BENCHMARKS.md). So does
-    what ran just before: the collectives bench gives each variant an untimed call first
-    (``lab.collectives.LEAD_IN``)."""
-    k = round_ % len(variants)
-    return list(variants[k:]) + list(variants[:k])
 
 
 def step_times(times: Sequence[float]) -> dict:

@@ -31,7 +31,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from dtcourse.bench import turns
+from dtcourse.runtime.turns import turns
 from dtcourse.collectives import (ALGORITHMS, ByteCounter, Message, algbw, busbw, chunk_sizes, fit_alpha_beta,
                                   predict_time, ring_all_gather, ring_all_reduce, ring_reduce_scatter)
 from dtcourse.collectives.messages import exchange

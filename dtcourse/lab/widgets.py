@@ -19,12 +19,19 @@ switched off for good (a white image until the cell is re-run). Each widget ther
 its own lock, and the last change wins: a callback whose change a later draw already shows returns
 at once, and one that sees a new change arrive while it draws draws again, so the image always
 ends on the controls' current values.
+
+A page that cannot run widgets (the course's static site, ``make site``) sets the environment
+variable ``DTCOURSE_STATIC_WIDGETS=1`` before the kernel starts. Each widget then displays as
+it stands when shown: its picture, under a line that names its controls and their values.
 """
 
 from __future__ import annotations
 
+import base64
+import html
 import io
 import itertools
+import os
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
@@ -32,7 +39,9 @@ if TYPE_CHECKING:   # ipywidgets is imported only when a widget is built
     import ipywidgets
     from matplotlib.figure import Figure
 
-__all__ = ["png", "figure_widget", "FigureView", "COLUMN_IN", "DPI"]
+__all__ = ["png", "figure_widget", "still", "FigureView", "COLUMN_IN", "DPI", "STATIC"]
+
+STATIC = "DTCOURSE_STATIC_WIDGETS"    # set (to anything but "" or "0"): widgets display as pictures
 
 # Every figure the course draws fits the notebook column at its natural size: at most
 # COLUMN_IN inches wide, rendered at DPI (the inline backend's default, 100), so 760 px.
@@ -95,4 +104,38 @@ def figure_widget(controls: Mapping[str, ipywidgets.ValueWidget], redraw: Callab
     box = widgets.VBox([row[0] if len(row) == 1 else widgets.HBox(row), image])
     for name, handle in {**controls, "image": image, **handles}.items():
         setattr(box, name, handle)
+    live = box._repr_mimebundle_
+    box._repr_mimebundle_ = lambda **kw: still(box) if os.environ.get(STATIC, "0") not in ("", "0") else live(**kw)
     return box
+
+
+def still(box: ipywidgets.Box) -> dict[str, str]:
+    """A figure widget as it stands, for a page that cannot run it: its picture (PNG) under one line
+    naming each control and its value, as HTML, with the PNG and the line as fallbacks."""
+    import ipywidgets as widgets
+
+    settings, notes, pictures = [], [], []
+
+    def walk(w: widgets.Widget) -> None:
+        if isinstance(w, widgets.Image):
+            pictures.append(base64.b64encode(w.value).decode())
+        elif isinstance(w, (widgets.HTML, widgets.Label, widgets.HTMLMath)):
+            if w.value:
+                notes.append(w.value)
+        elif isinstance(w, widgets.Box):
+            for child in w.children:
+                walk(child)
+        elif hasattr(w, "value"):
+            settings.append(f"{w.description.rstrip(':') or 'value'} = {w.value}")
+
+    walk(box)
+    line = ("An interactive figure: in Jupyter, change its controls to redraw it. Shown here as drawn with "
+            + ", ".join(settings) + ".")
+    alt = html.escape(f"the figure drawn with {', '.join(settings)}", quote=True)
+    body = "".join(f'<img src="data:image/png;base64,{p}" alt="{alt}" style="max-width: 100%">' for p in pictures)
+    notes_html = "".join(f"<div>{n}</div>" for n in notes)       # a widget's own note is already HTML
+    page = (f'<div class="dtcourse-still"><p><em>{html.escape(line)}</em></p>{notes_html}{body}</div>')
+    bundle = {"text/html": page, "text/plain": line}
+    if pictures:
+        bundle["image/png"] = pictures[0]
+    return bundle

@@ -44,6 +44,10 @@ from typing import Any, Callable
 
 import torch
 
+from dtcourse.runtime.errors import LaunchError
+from dtcourse.runtime.rank import READY, SETUP_FAILED, _child, _send, _set_parent_death_signal, warm_imports
+from dtcourse.runtime.results import encode
+
 __all__ = ["why_fresh", "write_payload", "start_rank", "ended", "exit_code"]
 
 _BOOT = ("import json, sys; sys.path[:] = json.loads(sys.argv[2]); "
@@ -102,7 +106,6 @@ def write_payload(fn: Callable[..., Any], args: tuple, kwargs: dict, why: str) -
             cloudpickle.dump((fn, args, kwargs), f)
     except Exception as exc:
         os.unlink(path)
-        from dtcourse.runtime.processes import LaunchError
         raise LaunchError(
             f"launch: {why}, so the ranks start in fresh interpreters, and fn with its arguments must be "
             f"pickled to reach them; that failed ({type(exc).__name__}: {exc}). Restart the kernel and call "
@@ -128,7 +131,6 @@ class _Starter:
         self.sock.settimeout(300)        # the first reply waits for the starter to import torch
 
     def ask(self, request: dict, fds: list[int] = ()) -> dict:
-        from dtcourse.runtime.processes import LaunchError
         try:
             socket.send_fds(self.sock, [json.dumps(request).encode()], list(fds))
             reply = self.sock.recv(1 << 16)
@@ -195,14 +197,12 @@ def exit_code(pid: int) -> int:
 # --------------------------------------------------------------------------- #
 def _starter_main(fd: int) -> None:
     """Serve the parent: fork a rank per request, reap ranks, say how one ended. Exits with the parent."""
-    from dtcourse.runtime.processes import _set_parent_death_signal
     _set_parent_death_signal()
     if os.getppid() == 1:                 # the parent died before the line above
         os._exit(0)
     sock = socket.socket(fileno=fd)
     codes: dict[int, int] = {}
-    from dtcourse.runtime.launch import _warm_imports
-    _warm_imports()                       # once here, not in every rank's first optimizer step
+    warm_imports()                       # once here, not in every rank's first optimizer step
 
     def reap(*_: Any) -> None:
         while True:
@@ -253,8 +253,6 @@ def _import(modules: list[str]) -> None:
 
 def _rank(sock: socket.socket, request: dict, fds: list[int]) -> None:
     """In a child of the starter: the parent's environment, then the rank as a forked one runs it. Never returns."""
-    from dtcourse.runtime.processes import READY, SETUP_FAILED, _child, _send
-    from dtcourse.runtime.results import encode
     try:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         sock.close()

@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from dtcourse.runtime.device import choose_backend
 from dtcourse.runtime.processes import LaunchError, LaunchTimeout, RankError, run_ranks
+from dtcourse.runtime.rank import warm_imports
 
 __all__ = ["launch", "init_from_env", "LaunchError", "RankError", "LaunchTimeout"]
 
@@ -77,7 +78,7 @@ def init_from_env(backend: str = "auto") -> tuple[int, int]:
             f"init_from_env: environment variables {missing} are not set. Start the script with "
             "`torchrun --nproc-per-node N script.py`, or call dtcourse.launch(fn, N) from Python."
         )
-    _warm_imports()                                    # before the group exists: see there
+    warm_imports()                                    # before the group exists: see there
 
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
     backend = choose_backend(local_world, backend)     # one GPU per rank of this node
@@ -116,20 +117,6 @@ def _check_inputs(fn: Any, world_size: Any, timeout: Any, threads: Any) -> None:
                           "or run the script under torchrun.")
 
 
-def _warm_imports() -> None:
-    """Import, before any process group exists, what the first optimizer step would import after it.
-
-    The first ``torch.optim`` optimizer a process builds imports ``torch._dynamo``: 2.8 s per rank on
-    the 2-core machine, paid again in every launch. Imported once here (about 1 s, in the parent, in
-    the ranks' starter, or in a torchrun worker before ``init_from_env`` makes its group), forked
-    ranks inherit it. And on torch 2.13, importing it once a gloo group exists keeps that group alive
-    past ``destroy_process_group()``: its worker threads, freeing a finished collective's tensors while
-    Python shuts down, abort the process ("terminate called without an active exception", exit -6; 10
-    runs in 16 of a ZeRO script under torchrun, measured).
-    """
-    import torch._dynamo  # noqa: F401
-
-
 def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT,
            backend: str = "auto", threads: int = DEFAULT_THREADS, max_restarts: int = 0, **kwargs: Any) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` forked ranks; return their results by rank.
@@ -159,7 +146,7 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float =
         backend = choose_backend(world_size, backend)
     except (ValueError, RuntimeError) as err:
         raise (ValueError if isinstance(err, ValueError) else LaunchError)(f"launch: {err}") from None
-    _warm_imports()
+    warm_imports()
     failures: list[str] = []
     for attempt in range(max_restarts + 1):
         try:

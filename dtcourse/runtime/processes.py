@@ -15,118 +15,24 @@ when the ranks are forked by a clean starter process instead (a parent that used
 
 from __future__ import annotations
 
-import ctypes
-import datetime
-import faulthandler
 import os
 import selectors
 import signal
 import sys
 import time
-import traceback
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable
 
-import torch
-import torch.distributed as dist
-
 from dtcourse.runtime import fresh
 from dtcourse.runtime.errors import LaunchError, LaunchTimeout, RankError, frames  # noqa: F401 (re-exported)
-from dtcourse.runtime.results import decode, encode
+from dtcourse.runtime.rank import READY, SETUP_FAILED, _child
+from dtcourse.runtime.results import decode
 
 __all__ = ["LaunchError", "RankError", "LaunchTimeout", "run_ranks"]
 
 READ_CHUNK = 1 << 20            # bytes per os.read: a 256 MB result arrives in 256 reads
-SETUP_FAILED = 70               # a child's exit code when it failed before running fn
-READY = b"\x06"                 # a fresh rank's first byte on its stack pipe: it has rebuilt fn and starts it
 START_LIMIT = 300.0             # seconds the starter's ranks may take to start it (importing torch) and rebuild fn
-
-
-# --------------------------------------------------------------------------- #
-# Inside a child
-# --------------------------------------------------------------------------- #
-def _set_parent_death_signal() -> None:
-    """Ask Linux to SIGKILL this child if its parent dies (no orphans)."""
-    if sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL("libc.so.6", use_errno=True)
-            libc.prctl(1, signal.SIGKILL)  # 1 == PR_SET_PDEATHSIG
-        except OSError:
-            pass
-
-
-def _send(fd: int, parts: list[memoryview]) -> None:
-    """Write one message to the parent, part by part, from the parts' own memory."""
-    for view in parts:
-        while view:
-            view = view[os.write(fd, view):]
-
-
-def _child(fn: Callable, args: tuple, kwargs: dict, rank: int, world_size: int, backend: str,
-           store_path: str, timeout: float, threads: int, fds: list[int]) -> None:
-    """Everything a rank does. Never returns: every path ends in ``os._exit``."""
-    try:
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})   # blocked by the parent across fork
-        _child_main(fn, args, kwargs, rank, world_size, backend, store_path, timeout, threads, fds)
-    finally:
-        # Reached only if set-up itself failed: the parent reports "before sending a result".
-        os._exit(SETUP_FAILED)
-
-
-def _child_main(fn, args, kwargs, rank, world_size, backend, store_path, timeout, threads, fds) -> None:
-    out_w, err_w, res_w, stack_w = fds
-    os.setpgid(0, 0)
-    _set_parent_death_signal()
-    # Replace the kernel's stdout/stderr (zmq streams that a fork must not
-    # touch) with our pipes, at the file-descriptor level so C++ output too.
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)
-    os.dup2(out_w, 1)
-    os.dup2(err_w, 2)
-    sys.stdin = open(0, closefd=False)
-    sys.stdout = open(1, "w", buffering=1, closefd=False)
-    sys.stderr = open(2, "w", buffering=1, closefd=False)
-    # On a timeout the parent sends SIGUSR1 and reports where each stuck rank was.
-    faulthandler.register(signal.SIGUSR1, file=os.fdopen(stack_w, "w", closefd=False), all_threads=False)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size))
-    # gloo listens on a free port (the OS picks it) on this interface: loopback
-    # unless the user chose another, so nothing is exposed to the network.
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    if threads:
-        os.environ["OMP_NUM_THREADS"] = str(threads)
-        torch.set_num_threads(threads)
-    try:
-        if backend == "nccl":
-            torch.cuda.set_device(rank)
-        store = dist.FileStore(store_path, world_size)
-        # The backend's own timeout comes later than launch's, so a hang is
-        # reported by launch (with the stuck ranks' stacks), not as a gloo error.
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout + 60))
-        result = fn(*args, **kwargs)
-    except BaseException:
-        payload = encode(("error", traceback.format_exc()))
-    else:
-        try:
-            payload = encode(("ok", result))
-        except Exception as exc:
-            payload = encode(("unpicklable", f"{type(result).__name__}: {exc}"))
-    try:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        _send(res_w, payload)
-        # Stay alive, connections open, until the parent ends the job. Then a
-        # rank stuck in a collective that this rank skipped stays stuck, and the
-        # timeout reports it, instead of failing with "connection closed by peer".
-        while True:
-            signal.pause()
-    finally:
-        # Skip the parent's atexit handlers and destructors (Jupyter's, the
-        # open files and sockets): this process is a fork and owns none of them.
-        os._exit(0)
 
 
 # --------------------------------------------------------------------------- #
