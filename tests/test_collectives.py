@@ -17,11 +17,12 @@ from torch.distributed import ReduceOp
 
 from dtcourse import launch
 from dtcourse.collectives import (
-    ALGORITHMS, ByteCounter, algbw, analytic_bytes, busbw, chunk_sizes, fit_alpha_beta, predict_ring_step,
-    predict_time, ring_all_gather, ring_all_reduce, ring_reduce_scatter,
+    ALGORITHMS, ByteCounter, algbw, analytic_bytes, busbw, chunk_sizes, fast_ring_all_gather, fast_ring_all_reduce,
+    fast_ring_reduce_scatter, fit_alpha_beta, predict_ring_step, predict_time, ring_all_gather, ring_all_reduce,
+    ring_reduce_scatter,
 )
+from dtcourse.collectives.fast_ring import fast_reduce_scatter_steps
 from dtcourse.collectives.messages import ALL_GATHER_TAG, scratch, wait_all
-from dtcourse.collectives.ring import reduce_scatter_steps
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 # The reference sums in a different order than our algorithms, so results may
@@ -34,10 +35,10 @@ def _rank_data(numel: int, dtype: torch.dtype, rank: int, salt: int = 0) -> torc
     return torch.randn(numel, generator=g, dtype=torch.float64).to(dtype)
 
 
-# the pipelined ring with 2 and 3 slices per chunk, and the ring in blocks of 8-byte chunks (2 float32 elements,
-# 4 float16: up to 1001 elements make many blocks, the last one short), beside the three plain algorithms
-VARIANTS = {**ALGORITHMS, "ring/2": partial(ring_all_reduce, slices=2), "ring/3": partial(ring_all_reduce, slices=3),
-            "ring/blocks": partial(ring_all_reduce, chunk_bytes=8)}
+# the fast ring as it is, with 2 and 3 slices per chunk, and in blocks of 8-byte chunks (2 float32 elements,
+# 4 float16: up to 1001 elements make many blocks, the last one short), beside the three textbook algorithms
+VARIANTS = {**ALGORITHMS, "fast ring": fast_ring_all_reduce, "ring/2": partial(fast_ring_all_reduce, slices=2),
+            "ring/3": partial(fast_ring_all_reduce, slices=3), "ring/blocks": partial(fast_ring_all_reduce, chunk_bytes=8)}
 
 
 def _all_reduce_cases(lengths):
@@ -88,10 +89,34 @@ def _sliced_against_plain(lengths, slices):
     same = {}
     for numel in lengths:
         plain, sliced = _rank_data(numel, torch.float32, rank), _rank_data(numel, torch.float32, rank)
-        ring_all_reduce(plain)
-        ring_all_reduce(sliced, slices=slices)
+        ring_all_reduce(plain)                         # the textbook ring
+        fast_ring_all_reduce(sliced, slices=slices)
         same[numel] = torch.equal(plain, sliced)
     return same
+
+
+def _textbook_against_fast(lengths):
+    """The fast ring sends the textbook ring's messages and computes its sums, bit for bit."""
+    rank = dist.get_rank()
+    out = {}
+    for numel in lengths:
+        results, sent = [], []
+        for fn in (ring_all_reduce, fast_ring_all_reduce):
+            x, counter = _rank_data(numel, torch.float32, rank), ByteCounter()
+            fn(x, counter=counter)
+            results.append(x)
+            sent.append(sorted(counter.messages, key=lambda m: (m.phase, m.step)))
+        out[numel] = (torch.equal(*results), sent[0] == sent[1], len(sent[0]))
+    return out
+
+
+@pytest.mark.parametrize("world_size", [3, 5])
+def test_the_fast_ring_sends_the_textbook_rings_messages_and_its_sums(world_size):
+    for rank_out in launch(_textbook_against_fast, world_size, [1, 2 * world_size + 1, 1000]):
+        for numel, (same_sum, same_messages, count) in rank_out.items():
+            assert same_sum and same_messages, numel
+            if numel >= world_size:                          # every chunk non-empty: one message per step
+                assert count == 2 * (world_size - 1)
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4, 5])
@@ -110,7 +135,7 @@ def _ring_rs_ag_cases(chunk_numels):
             mine, sliced = torch.empty(k, dtype=dtype), torch.empty(k, dtype=dtype)
             before = x.clone()
             ring_reduce_scatter(mine, x)
-            ring_reduce_scatter(sliced, x, slices=3)
+            fast_ring_reduce_scatter(sliced, x, slices=3)
             assert torch.equal(mine, sliced), "slicing the reduce-scatter changed its result"
             assert torch.equal(x, before), "reduce-scatter must leave its input untouched"
             ref_out = torch.empty(k, dtype=torch.float64)             # reference summed in float64
@@ -124,11 +149,11 @@ def _ring_rs_ag_cases(chunk_numels):
 
 def _receive_buffer_and_pending_sends(numel):
     rank, world = dist.get_rank(), dist.get_world_size()
-    ring_all_reduce(torch.ones(numel))
+    fast_ring_all_reduce(torch.ones(numel))
     kept = scratch(1, torch.float32, "cpu").data_ptr()
-    ring_all_reduce(torch.ones(numel))
+    fast_ring_all_reduce(torch.ones(numel))
     chunks = list(torch.ones(numel).split(chunk_sizes(numel, world)))
-    pending = reduce_scatter_steps(chunks, rank, world, None, None)
+    pending = fast_reduce_scatter_steps(chunks, rank, world, None, None)
     waiting = len(pending)
     wait_all(pending)
     return kept == scratch(1, torch.float32, "cpu").data_ptr(), waiting, chunks[rank].tolist()
@@ -174,9 +199,9 @@ def _posts(slices, numel):
     ("send" or "recv", tag) for each isend and irecv."""
     x, expected = _arange_case(numel)
     with _recording_posts() as all_reduce_posts:
-        ring_all_reduce(x, slices=slices)
+        fast_ring_all_reduce(x, slices=slices)
     with _recording_posts() as all_gather_posts:
-        ring_all_gather(torch.empty(dist.get_world_size() * 7), torch.ones(7))
+        fast_ring_all_gather(torch.empty(dist.get_world_size() * 7), torch.ones(7))
     return ([p[:2] for p in all_reduce_posts], [p[:2] for p in all_gather_posts]), torch.equal(x, expected)
 
 
@@ -200,7 +225,7 @@ def _blocked_rounds(numel, chunk_bytes):
     """One rank's posts and sent messages in ``ring_all_reduce(x, chunk_bytes=...)``, and whether the sum is right."""
     (x, expected), counter = _arange_case(numel), ByteCounter()
     with _recording_posts() as posted:
-        ring_all_reduce(x, chunk_bytes=chunk_bytes, counter=counter)
+        fast_ring_all_reduce(x, chunk_bytes=chunk_bytes, counter=counter)
     return posted, counter.messages, torch.equal(x, expected)
 
 
@@ -265,10 +290,11 @@ def _shape_errors():
                  lambda: ring_all_gather(torch.empty(10), torch.empty(3)),
                  lambda: ring_reduce_scatter(torch.empty(3), torch.empty(9, dtype=torch.float64)),
                  lambda: ALGORITHMS["ring"](torch.ones(4), op=ReduceOp.MAX),
-                 lambda: ring_all_reduce(torch.ones(4), slices=0),
-                 lambda: ring_all_reduce(torch.ones(4), slices=1.5),
-                 lambda: ring_all_reduce(torch.ones(4), chunk_bytes=3),
-                 lambda: ring_all_reduce(torch.ones(4), slices=2, chunk_bytes=8)):
+                 lambda: fast_ring_all_reduce(torch.ones(4), slices=0),
+                 lambda: fast_ring_all_reduce(torch.ones(4), slices=1.5),
+                 lambda: fast_ring_all_reduce(torch.ones(4), chunk_bytes=3),
+                 lambda: fast_ring_all_reduce(torch.ones(4), slices=2, chunk_bytes=8),
+                 lambda: fast_ring_reduce_scatter(torch.empty(3), torch.empty(10))):
         try:
             call()
             errors.append(None)
@@ -288,6 +314,7 @@ def test_shape_and_op_errors_say_what_to_change():
     assert "chunk_bytes must be a whole number of bytes, at least one element (4 bytes here)" in errors[6]
     assert "got 3" in errors[6]
     assert "choose slices=2 (each chunk pipelined in slices) or chunk_bytes=8" in errors[7]
+    assert errors[8].startswith("fast_ring_reduce_scatter: input has 10 elements")
 
 
 def _refusals_on_nccl():
@@ -298,7 +325,7 @@ def _refusals_on_nccl():
     try:
         for kwargs in ({"slices": 2}, {"chunk_bytes": 8}):
             try:
-                ring_all_reduce(torch.ones(8), **kwargs)
+                fast_ring_all_reduce(torch.ones(8), **kwargs)
                 errors.append(None)
             except ValueError as exc:
                 errors.append(str(exc))

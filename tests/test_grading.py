@@ -422,6 +422,9 @@ def test_the_course_reference_refuses_to_be_the_answer():
         checks.check_all_reduce(calls_its_steps, world_sizes=(2,), sizes=(4,))
     with pytest.raises(AssertionError, match=r"tree_all_reduce is the course's own answer"):
         checks.check_all_reduce(lambda tensor: tree_all_reduce(tensor), world_sizes=(2,), sizes=(4,))
+    from dtcourse.collectives import fast_ring_all_reduce
+    with pytest.raises(AssertionError, match=r"fast_ring_all_reduce is the course's own answer"):   # the fast ring too
+        checks.check_all_reduce(lambda tensor: fast_ring_all_reduce(tensor), world_sizes=(2,), sizes=(4,))
     # outside a check the references run as usual, and the lesson still shows their code
     assert "def ring_all_reduce(" in inspect.getsource(ring_all_reduce)
     assert ring_all_reduce.__wrapped__.__name__ == "ring_all_reduce"

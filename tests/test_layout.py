@@ -240,9 +240,6 @@ def _import_graph() -> dict[str, set[str]]:
     return graph
 
 
-# The one cycle left, until collectives/ring.py holds the textbook ring alone (issue 31): the fast
-# variants in blocks.py build on ring.py's helpers, and ring_all_reduce dispatches to them.
-KNOWN_CYCLES = [{"dtcourse.collectives.ring", "dtcourse.collectives.blocks"}]
 
 
 def test_no_import_cycles():
@@ -271,9 +268,7 @@ def test_no_import_cycles():
     for v in sorted(graph):
         if v not in index:
             visit(v)
-    unknown = [sorted(c) for c in cycles if c not in KNOWN_CYCLES]
-    assert not unknown, f"import cycles: {unknown}; move what both need into a module below them"
-    assert len(cycles) == len(KNOWN_CYCLES), "a known cycle is gone: remove it from KNOWN_CYCLES"
+    assert not cycles, f"import cycles: {[sorted(c) for c in cycles]}; move what both need into a module below them"
 
 
 def test_layers_depend_downward_only():

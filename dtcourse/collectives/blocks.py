@@ -10,13 +10,13 @@ blocks of N chunks of at most ``chunk_bytes``, and the blocks follow one another
 * block b's reduce-scatter travels in the same rounds as block b-1's all-gather: each of these
   N-1 rounds carries one message of each, so B blocks take (B+1)(N-1) rounds, not 2B(N-1);
 * every all-gather receive of every block is posted before the first round (under
-  ``messages.ALL_GATHER_TAG``, as in ``ring.all_gather_receives``); the reduce-scatter receives
+  ``messages.ALL_GATHER_TAG``, as in ``pipelined.all_gather_receives``); the reduce-scatter receives
   go one at a time into one buffer of ``chunk_bytes``, kept between calls.
 
 Each rank still sends 2(N-1)/N·S bytes in all. A round's messages are recorded with the round as
 ``step`` and the block as ``part``::
 
-    ring_all_reduce(grad, chunk_bytes=4 << 20)    # on 4 ranks, a 64 MB grad goes round in 4 blocks of 16 MB
+    fast_ring_all_reduce(grad, chunk_bytes=4 << 20)    # on 4 ranks, a 64 MB grad goes round in 4 blocks of 16 MB
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ import torch
 
 from dtcourse.collectives.messages import (ALL_GATHER_TAG, ByteCounter, finish, receive, scratch, send,
                                            wait_all)
-from dtcourse.collectives.ring import all_gather_receives, chunk_sizes
+from dtcourse.collectives.pipelined import all_gather_receives
+from dtcourse.collectives.ring import chunk_sizes
 from dtcourse.runtime.refuse import reference
 
 __all__ = ["blocks_of", "blocked_all_reduce"]
@@ -45,7 +46,7 @@ def blocks_of(flat: torch.Tensor, world: int, chunk_bytes: int) -> list[list[tor
 def blocked_all_reduce(flat: torch.Tensor, rank: int, world: int, group, counter: ByteCounter | None, op,
                        chunk_bytes: int) -> None:
     """All-reduce ``flat`` (1-D, in place) block by block, each block's all-gather beside the next block's
-    reduce-scatter; ``op`` is SUM or AVG, checked by the caller (``ring.ring_all_reduce``)."""
+    reduce-scatter; ``op`` is SUM or AVG, checked by the caller (``fast_ring.fast_ring_all_reduce``)."""
     right, left = (rank + 1) % world, (rank - 1) % world
     blocks = blocks_of(flat, world, chunk_bytes)
     # every all-gather receive, block by block and step by step, straight into its chunk: a chunk's final sum

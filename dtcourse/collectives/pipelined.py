@@ -1,6 +1,6 @@
 """The pipelined ring: every chunk cut into k slices that stream around the ring, additions behind transfers.
 
-A plain ring step (``ring.reduce_scatter_steps``) sends a whole chunk, waits for the whole chunk
+A plain ring step (``fast_ring.fast_reduce_scatter_steps``) sends a whole chunk, waits for the whole chunk
 from the left, then adds it: the link idles while the rank adds, and again while the next step
 gets going. NCCL's ring kernels move chunks through a small FIFO in slices, and gloo's own ring
 cuts every chunk into at least two segments, one in flight while the other is reduced (see the
@@ -11,13 +11,13 @@ comment above ``ring`` in gloo/allreduce.cc). Here each phase's N-1 steps become
   sends at a time;
 * each reduce-scatter receive is posted ``AHEAD`` transfers before its send, so that a neighbour's
   send never waits for us to be ready (gloo sends a message only once its receiver has posted the
-  receive), and every all-gather receive before the reduce-scatter starts (``ring.all_gather_receives``);
+  receive), and every all-gather receive before the reduce-scatter starts (``all_gather_receives``);
 * each slice that lands is added while the next ones travel.
 
 ``slices`` must be at least ``IN_FLIGHT``: transfer t sends the slice that transfer t - k summed
 or received, and that one has landed by then. The sums are bit for bit the plain ring's::
 
-    ring_all_reduce(grad, slices=4)     # the same additions in the same order as slices=1
+    fast_ring_all_reduce(grad, slices=4)     # the same additions in the same order as slices=1
 
 On nccl a receive posted ahead of a send could queue that send behind it on the same stream, so
 the pipelined ring is for gloo (NCCL's own kernels pipeline their ring already).
@@ -28,11 +28,13 @@ from __future__ import annotations
 from collections import deque
 
 import torch
+import torch.distributed as dist
 
 from dtcourse.collectives.messages import ALL_GATHER_TAG, ByteCounter, receive, scratch, send, wait_all
 from dtcourse.runtime.refuse import reference
 
-__all__ = ["IN_FLIGHT", "AHEAD", "sliced", "pipelined_reduce_scatter_steps", "pipelined_all_gather_steps"]
+__all__ = ["IN_FLIGHT", "AHEAD", "sliced", "receives_early", "all_gather_receives", "pipelined_reduce_scatter_steps",
+           "pipelined_all_gather_steps"]
 
 IN_FLIGHT = 2   # reduce-scatter sends posted and not yet waited for
 AHEAD = 1       # reduce-scatter receives posted this many transfers before their sends
@@ -44,10 +46,30 @@ def sliced(tensor: torch.Tensor, slices: int) -> list[torch.Tensor]:
     return list(tensor.split([base + (1 if j < extra else 0) for j in range(slices)]))
 
 
+def receives_early(group) -> bool:
+    """Whether a phase's receives can be posted before the previous phase ends: on gloo, which matches a
+    message to a receive by its tag; nccl matches each peer's messages in order, whatever their tags."""
+    return dist.get_backend(group) != "nccl"
+
+
+@reference("collectives", "01")
+def all_gather_receives(chunks: list[torch.Tensor], rank: int, world: int, group, counter: ByteCounter | None,
+                        slices: int = 1) -> list:
+    """Post every receive of the all-gather at once, each straight into its place in ``chunks``.
+
+    Returns (N-1)·k requests in the order their pieces arrive, step by step, slice by slice. A send
+    goes out only once its receiver has posted the receive (gloo), so with every receive posted
+    no neighbour's send waits for us.
+    """
+    left = (rank - 1) % world
+    return [receive(piece, left, group, counter, ALL_GATHER_TAG)
+            for step in range(world - 1) for piece in sliced(chunks[(rank - step - 1) % world], slices)]
+
+
 @reference("collectives", "01")
 def pipelined_reduce_scatter_steps(chunks: list[torch.Tensor], rank: int, world: int, group,
                                    counter: ByteCounter | None, slices: int) -> list:
-    """``ring.reduce_scatter_steps`` as (N-1)·k slice transfers; transfer t is slice t % k of step t // k.
+    """``fast_ring.fast_reduce_scatter_steps`` as (N-1)·k slice transfers; transfer t is slice t % k of step t // k.
 
     Returns the sends still under way, as the plain steps do: none here, each was waited for as its slice
     landed (``IN_FLIGHT`` at most at a time).
@@ -92,9 +114,9 @@ def pipelined_reduce_scatter_steps(chunks: list[torch.Tensor], rank: int, world:
 def pipelined_all_gather_steps(chunks: list[torch.Tensor], rank: int, world: int, group,
                                counter: ByteCounter | None, slices: int, first_step: int = 0, *,
                                arrivals: list) -> list:
-    """``ring.all_gather_steps`` as (N-1)·k slice transfers, each slice passed on as soon as it lands.
+    """``fast_ring.fast_all_gather_steps`` as (N-1)·k slice transfers, each slice passed on as soon as it lands.
 
-    ``arrivals``: the phase's receives, posted already (``ring.all_gather_receives``). Returns the sends
+    ``arrivals``: the phase's receives, posted already (``all_gather_receives``). Returns the sends
     still under way: a slice that has been received is never written again, so no send needs waiting
     before the end.
     """

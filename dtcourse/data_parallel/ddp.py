@@ -27,7 +27,7 @@ The first hook of a backward queues a callback with the autograd engine
 gradient and before ``backward()`` returns: it launches what is left, waits,
 divides by N and writes the means into ``p.grad``.
 
-``comm="ring"`` uses ``dtcourse.collectives.ring_all_reduce``, which is
+``comm="ring"`` uses ``dtcourse.collectives.fast_ring_all_reduce``, which is
 synchronous: under ``"overlapped"`` it runs inside the hook that completes a
 bucket, so it starts as early but backward pauses while it runs. With it, a
 ``ByteCounter`` passed as ``counter=`` sees every message this rank sends:
@@ -51,7 +51,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed import ReduceOp
 
-from dtcourse.collectives import ByteCounter, ring_all_reduce
+from dtcourse.collectives import ByteCounter, fast_ring_all_reduce
 from dtcourse.data_parallel.buckets import Bucket, assign_buckets
 from dtcourse.runtime.refuse import reference
 
@@ -69,7 +69,7 @@ class DistributedDataParallel(nn.Module):
 
     strategy: ``"per_parameter"``, ``"bucketed"`` or ``"overlapped"``, the three steps above.
     bucket_cap_mb: a bucket closes once it holds this many MiB (unused by ``"per_parameter"``).
-    comm: ``"backend"`` (``dist.all_reduce``) or ``"ring"`` (``dtcourse.collectives.ring_all_reduce``).
+    comm: ``"backend"`` (``dist.all_reduce``) or ``"ring"`` (``dtcourse.collectives.fast_ring_all_reduce``).
     group: the ranks to average over (None: the default group). Construction copies group rank 0's
         parameters and buffers to the others; unlike torch, buffers are not re-sent every forward.
     counter: a ``ByteCounter`` that records every message the ring all-reduces send (``comm="ring"``
@@ -211,7 +211,7 @@ class DistributedDataParallel(nn.Module):
     def _all_reduce_sum(self, tensor: torch.Tensor, async_op: bool) -> Any:
         """Sum ``tensor`` over the group in place; return a handle to wait on, or None if done."""
         if self.comm == "ring":   # synchronous; each rank sends 2(N-1)/N * tensor.nbytes
-            ring_all_reduce(tensor, op=ReduceOp.SUM, group=self.group, counter=self.counter)
+            fast_ring_all_reduce(tensor, op=ReduceOp.SUM, group=self.group, counter=self.counter)
             return None
         # the backend picks its own algorithm; a ring-like one also sends ~2(N-1)/N * tensor.nbytes
         return dist.all_reduce(tensor, op=ReduceOp.SUM, group=self.group, async_op=async_op)

@@ -32,8 +32,9 @@ import torch
 import torch.distributed as dist
 
 from dtcourse.runtime.turns import turns
-from dtcourse.collectives import (ALGORITHMS, ByteCounter, Message, algbw, busbw, chunk_sizes, fit_alpha_beta,
-                                  predict_time, ring_all_gather, ring_all_reduce, ring_reduce_scatter)
+from dtcourse.collectives import (ALGORITHMS, ByteCounter, Message, algbw, busbw, chunk_sizes, fast_ring_all_gather,
+                                  fast_ring_all_reduce, fast_ring_reduce_scatter, fit_alpha_beta, predict_time,
+                                  ring_all_reduce)
 from dtcourse.collectives.messages import exchange
 from dtcourse.lab.problems import Answer, pretty
 from dtcourse.lab.widgets import COLUMN_IN, FigureView, figure_widget
@@ -105,13 +106,13 @@ def _ours(collective: str, name: str) -> Callable:
     """(big, small) -> None: one of our algorithms; ``big`` holds S bytes, ``small`` S/N."""
     if collective == "all_reduce":
         algorithm, _, slices = name.partition("/")
-        fn = ALGORITHMS[algorithm]
+        fn = fast_ring_all_reduce if algorithm == "ring" else ALGORITHMS[algorithm]   # the ring as libraries run it
         if slices == "blocks":
             return lambda big, small: fn(big, chunk_bytes=CHUNK_BYTES)
         return (lambda big, small: fn(big, slices=int(slices))) if slices else (lambda big, small: fn(big))
     if collective == "reduce_scatter":
-        return lambda big, small: ring_reduce_scatter(small, big)
-    return lambda big, small: ring_all_gather(big, small)
+        return lambda big, small: fast_ring_reduce_scatter(small, big)
+    return lambda big, small: fast_ring_all_gather(big, small)
 
 
 _BACKEND = {"all_reduce": lambda big, small: dist.all_reduce(big),
@@ -526,7 +527,7 @@ def ring_widget(world_size: int = 4, numel: int = 8):
 # --------------------------------------------------------------------------- #
 def _count_rank(numel: int, slices: int) -> tuple[int, int]:
     counter = ByteCounter()
-    ring_all_reduce(torch.ones(numel), counter=counter, slices=slices)
+    fast_ring_all_reduce(torch.ones(numel), counter=counter, slices=slices)
     return counter.sent, len(counter.messages)
 
 
@@ -539,7 +540,7 @@ def problem_ring_bytes(numel: int = 1_000_000, world_size: int = 5) -> Answer:
 
 
 def problem_sliced_messages(world_size: int = 4, slices: int = SLICES, numel: int = 4096) -> Answer:
-    """Messages each rank sends in ``ring_all_reduce(..., slices=k)``, counted on every rank."""
+    """Messages each rank sends in ``fast_ring_all_reduce(..., slices=k)``, counted on every rank."""
     counts = {messages for _, messages in launch(_count_rank, world_size, numel, slices)}
     if len(counts) != 1:
         raise AssertionError(f"ranks sent different numbers of messages: {sorted(counts)}")
@@ -557,12 +558,12 @@ def problem_busbw_from_time(nbytes: int = 4 << 20, seconds: float = 2e-3, world_
 
 def _rounds_rank(numel: int, chunk_bytes: int) -> int:
     counter = ByteCounter()
-    ring_all_reduce(torch.ones(numel), counter=counter, chunk_bytes=chunk_bytes)
+    fast_ring_all_reduce(torch.ones(numel), counter=counter, chunk_bytes=chunk_bytes)
     return len({m.step for m in counter.messages})
 
 
 def problem_blocked_rounds(numel: int = 4 << 20, world_size: int = 3, chunk_bytes: int = 1 << 20) -> Answer:
-    """Rounds of ``ring_all_reduce(x, chunk_bytes=c)`` on ``numel`` float32 values: rounds in which rank 0 sent."""
+    """Rounds of ``fast_ring_all_reduce(x, chunk_bytes=c)`` on ``numel`` float32 values: rounds in which rank 0 sent."""
     rounds = set(launch(_rounds_rank, world_size, numel, chunk_bytes))
     if len(rounds) != 1:
         raise AssertionError(f"ranks sent in different numbers of rounds: {sorted(rounds)}")

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from dtcourse.collectives import ByteCounter, ring_all_gather, ring_all_reduce, ring_reduce_scatter
+from dtcourse.collectives import ByteCounter, fast_ring_all_gather, fast_ring_all_reduce, fast_ring_reduce_scatter
 from dtcourse.runtime.compat import all_gather_single, reduce_scatter_single
 
 __all__ = ["COMMS", "Collective", "Communicator", "Handle"]
@@ -95,7 +95,7 @@ class Communicator:
         """``full`` (N·s,) receives every rank's ``part`` (s,), in rank order."""
         if self.comm == "ring":       # sends (N-1)/N * full.nbytes, one part per step
             return self._measured("all_gather", what, unit, phase, full.nbytes,
-                                  lambda: ring_all_gather(full, part, group=self.group, counter=self.counter))
+                                  lambda: fast_ring_all_gather(full, part, group=self.group, counter=self.counter))
         self._note("all_gather", what, unit, phase, full.nbytes, self.world - 1)
         return _handle(all_gather_single(full, part, group=self.group, async_op=async_op))
 
@@ -104,7 +104,7 @@ class Communicator:
         """``part`` (s,) receives the sum over ranks of part r of ``full`` (N·s,), r this rank."""
         if self.comm == "ring":       # sends (N-1)/N * full.nbytes: the first half of an all-reduce
             return self._measured("reduce_scatter", what, unit, phase, full.nbytes,
-                                  lambda: ring_reduce_scatter(part, full, group=self.group, counter=self.counter))
+                                  lambda: fast_ring_reduce_scatter(part, full, group=self.group, counter=self.counter))
         self._note("reduce_scatter", what, unit, phase, full.nbytes, self.world - 1)
         return _handle(reduce_scatter_single(part, full, op=ReduceOp.SUM, group=self.group,
                                              async_op=async_op))
@@ -114,7 +114,7 @@ class Communicator:
         """``tensor`` becomes the sum over ranks, in place."""
         if self.comm == "ring":       # sends 2(N-1)/N * tensor.nbytes: reduce-scatter, then all-gather
             return self._measured("all_reduce", what, unit, phase, tensor.nbytes,
-                                  lambda: ring_all_reduce(tensor, group=self.group, counter=self.counter))
+                                  lambda: fast_ring_all_reduce(tensor, group=self.group, counter=self.counter))
         self._note("all_reduce", what, unit, phase, tensor.nbytes, 2 * (self.world - 1))
         return _handle(dist.all_reduce(tensor, op=ReduceOp.SUM, group=self.group, async_op=async_op))
 
