@@ -32,12 +32,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from dtcourse.collectives.cost import predict_time
 from dtcourse.lab.problems import Answer
 from dtcourse.lab.widgets import COLUMN_IN, FigureView, figure_widget
-from dtcourse.memory import korthikanti_layer_bytes, storage_bytes
+from dtcourse.memory import storage_bytes
 from dtcourse.models import GPT, GPTConfig, token_batch
 from dtcourse.runtime.launch import launch
+from dtcourse.tensor_parallel import cost
+from dtcourse.tensor_parallel.cost import (GATHERED, GPT3_LAYER, H100_BF16, INFINIBAND, LAYOUTS, MFU, NODE, NVLINK, TERMS,
+                                           CostRow, Link, Term, crossover, paper_layer_bytes, predicted_terms, tp_cost)
 from dtcourse.tensor_parallel import (ColumnParallelLinear, TensorParallel, Traffic, gather_from_sequence_parallel,
                                       gather_shards, parallelize)
 
@@ -57,7 +59,8 @@ __all__ = ["TP_GPT", "SPLIT_GPT", "ROWS", "LAYOUTS", "Term", "TERMS", "GATHERED"
 TP_GPT = GPTConfig(vocab_size=48, block_size=24, n_layer=2, n_head=12, d_model=48)
 SPLIT_GPT = GPTConfig(vocab_size=16, block_size=8, n_layer=1, n_head=4, d_model=16)   # small enough to see
 ROWS = 2                                                       # b, the batch's rows
-LAYOUTS = ("TP", "TP+SP", "TP+SP, shards saved")              # at t = 1 all three are the serial layer
+# One layer's bytes per rank and direction (cost.layer_bytes) for the lesson's model, by default.
+layer_bytes = functools.partial(cost.layer_bytes, s=TP_GPT.block_size, b=ROWS, h=TP_GPT.d_model)
 RANK_CMAPS = ("Blues", "Oranges", "Greens", "Reds")          # rank r's slice of a weight, drawn in its own hue
 
 
@@ -85,12 +88,6 @@ def measure_traffic(ts: Sequence[int] = (2, 4), config: GPTConfig = TP_GPT, rows
     return found
 
 
-def layer_bytes(t: int, s: int = TP_GPT.block_size, b: int = ROWS, h: int = TP_GPT.d_model, elt: int = 4) -> int:
-    """Bytes one rank sends per layer and direction: 2 all-reduces of s·b·h elements, 2(t-1)/t of s·b·h·elt bytes
-    each; under SP, 2 all-gathers and 2 reduce-scatters of s·b·h elements, (t-1)/t each: the same."""
-    return 2 * 2 * (t - 1) * s * b * h * elt // t
-
-
 def bytes_table(traffic: dict[tuple[int, str], Traffic], config: GPTConfig = TP_GPT, rows: int = ROWS) -> list[tuple]:
     """Rows ``(t, layout, where, phase, collectives, elements, bytes sent per rank, formula or None)``."""
     out = []
@@ -100,7 +97,7 @@ def bytes_table(traffic: dict[tuple[int, str], Traffic], config: GPTConfig = TP_
             groups.setdefault((r.where, r.phase), []).append(r)
         for (where, phase), records in groups.items():
             ops = " + ".join(f"{sum(r.op == op for r in records)} {op}" for op in dict.fromkeys(r.op for r in records))
-            formula = layer_bytes(t, config.block_size, rows, config.d_model) if where.startswith("blocks.") else None
+            formula = cost.layer_bytes(t, config.block_size, rows, config.d_model) if where.startswith("blocks.") else None
             numel, sent = sum(r.numel for r in records), sum(r.sent for r in records)
             out.append((t, layout, where, phase, ops, numel, sent, formula))
     return out
@@ -109,33 +106,9 @@ def bytes_table(traffic: dict[tuple[int, str], Traffic], config: GPTConfig = TP_
 # --------------------------------------------------------------------------- #
 # 2. Activation memory per layer, by Korthikanti's terms
 # --------------------------------------------------------------------------- #
-@dataclass(frozen=True)
-class Term:
-    """One of Korthikanti's saved tensors: ``count`` times ``size`` elements of one ``kind`` (paper bytes:
-    activation 2, mask 1, stats 0: neglected), divided by t under TP when ``split`` (inside a column-row pair)."""
-    name: str
-    count: int
-    size: str          # "sbh", "as²b" or "sb"
-    kind: str          # "activation", "mask" or "stats"
-    split: bool
-
-
-TERMS = (Term("LayerNorm inputs", 2, "sbh", "activation", False),
-         Term("LayerNorm mean, 1/std", 4, "sb", "stats", False),
-         Term("QKV input", 1, "sbh", "activation", False),
-         Term("Q, K, V", 3, "sbh", "activation", True),
-         Term("softmax output", 1, "as²b", "activation", True),
-         Term("attention dropout mask", 1, "as²b", "mask", True),
-         Term("attention dropout output", 1, "as²b", "activation", True),
-         Term("projection input", 1, "sbh", "activation", True),
-         Term("MLP input", 1, "sbh", "activation", False),
-         Term("GELU input", 4, "sbh", "activation", True),
-         Term("GELU output", 4, "sbh", "activation", True),
-         Term("residual dropout masks", 2, "sbh", "mask", False))
 _BY_MODULE = {"attn.c_attn": "QKV input", "attn.attn_drop": "attention dropout mask", "attn.c_proj": "projection input",
               "attn.resid_drop": "residual dropout masks", "mlp.c_fc": "MLP input", "mlp.gelu": "GELU input",
               "mlp.c_proj": "GELU output", "mlp.drop": "residual dropout masks"}
-GATHERED = ("QKV input", "MLP input")       # the column layers' inputs, all-gathered under sequence parallelism
 
 
 class SavedByTerm(torch.autograd.graph.saved_tensors_hooks):
@@ -269,27 +242,6 @@ def measure_activations(ts: Sequence[int] = (1, 2, 4), dropouts: Sequence[float]
     return found
 
 
-def predicted_terms(s: int, b: int, h: int, a: int, t: int = 1, layout: str = "TP", dropout: bool = True,
-                    elt: int = 4, mask: int = 4, stats: int = 4) -> dict[str, float]:
-    """Bytes per term on one rank: Korthikanti's count with ``elt`` bytes per activation, ``mask`` per mask
-    element and ``stats`` per LayerNorm statistic. Without dropout no masks, and the probabilities once."""
-    sizes = {"sbh": s * b * h, "as²b": a * s * s * b, "sb": s * b}
-    width = {"activation": elt, "mask": mask if dropout else 0, "stats": stats}
-    out = {}
-    for term in TERMS:
-        divide = t if term.split or (layout != "TP" and term.name not in GATHERED) or layout == LAYOUTS[2] else 1
-        kept = dropout or term.name != "attention dropout output"
-        out[term.name] = term.count * sizes[term.size] * width[term.kind] * kept / divide
-    return out
-
-
-def paper_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, layout: str = "TP") -> float:
-    """Korthikanti et al. 2022, table 2: sbh(34 + 5as/h); TP: sbh(10 + 24/t + 5as/(ht)); TP+SP: (sbh/t)(34 + 5as/h)."""
-    if t == 1 or layout != "TP":
-        return korthikanti_layer_bytes(s, b, h, a) / t
-    return s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
-
-
 def activation_table(saves: LayerSaves) -> list[tuple[str, float, float, int]]:
     """Rows ``(term, paper's 16-bit bytes, predicted for this run, measured)``, then a total row."""
     r, drop = saves, saves.dropout > 0
@@ -303,57 +255,6 @@ def activation_table(saves: LayerSaves) -> list[tuple[str, float, float, int]]:
 # --------------------------------------------------------------------------- #
 # 3. Why tensor parallelism stays inside a node: lesson 01's alpha-beta model
 # --------------------------------------------------------------------------- #
-@dataclass(frozen=True)
-class Link:
-    """What one GPU's ring all-reduce runs over: ``bandwidth`` in bytes/s each way, ``latency`` (alpha) per step."""
-    name: str
-    bandwidth: float
-    latency: float
-
-
-# NVIDIA H100 Tensor Core GPU datasheet (SXM5): NVLink 900 GB/s, both directions together, so 450 GB/s each way;
-# BF16 tensor cores 1,979 TFLOP/s with sparsity, 989 TFLOP/s dense. NVIDIA DGX H100 user guide: 8 GPUs per node
-# on NVSwitch, and eight ConnectX-7 InfiniBand NDR ports of 400 Gb/s (50 GB/s), one per GPU, between nodes.
-# The latencies are assumptions (a few µs per ring step, the order NCCL reaches), not datasheet figures; the
-# crossover does not depend on them (the tests check it with alpha = 0).
-NVLINK = Link("NVLink (inside a DGX H100 node)", 450e9, 2e-6)
-INFINIBAND = Link("InfiniBand NDR 400 Gb/s (across nodes)", 50e9, 5e-6)
-H100_BF16 = 989e12
-MFU = 0.5                # share of peak a large model reaches: 52% on A100s in Narayanan et al., arXiv 2104.04473
-GPT3_LAYER = dict(s=2048, b=1, h=12288)     # GPT-3 175B's layer (Brown et al., arXiv 2005.14165), 1 sequence
-NODE = 8                                    # GPUs one NVLink domain holds in a DGX H100
-
-
-@dataclass(frozen=True)
-class CostRow:
-    """Seconds per layer and training step on one rank at tensor-parallel size t: its share of the layer's
-    compute, and the 4 all-reduces of s·b·h 16-bit elements over each link (nothing overlaps them)."""
-    t: int
-    compute: float
-    nvlink: float
-    infiniband: float
-
-    @property
-    def in_nodes(self) -> float:
-        """A real cluster: NVLink while the group fits in a node of 8, InfiniBand beyond."""
-        return self.nvlink if self.t <= NODE else self.infiniband
-
-
-def tp_cost(ts: Sequence[int] = (1, 2, 4, 8, 16, 32), s: int = GPT3_LAYER["s"], b: int = GPT3_LAYER["b"],
-            h: int = GPT3_LAYER["h"], elt: int = 2, flops: float = MFU * H100_BF16,
-            links: tuple[Link, Link] = (NVLINK, INFINIBAND)) -> list[CostRow]:
-    """Compute: 3 × (24sbh² + 4s²bh) FLOPs per layer (forward, and backward twice that), split t ways.
-    Communication: 2 all-reduces forward (g) and 2 backward (f), each ``predict_time("ring", 2sbh, t)``."""
-    step_flops = 3 * (24 * s * b * h * h + 4 * s * s * b * h)
-    comm = lambda link, t: 4 * predict_time("ring", s * b * h * elt, t, link.latency, 1 / link.bandwidth)  # noqa: E731
-    return [CostRow(t, step_flops / t / flops, comm(links[0], t), comm(links[1], t)) for t in ts]
-
-
-def crossover(rows: Sequence[CostRow], link: str = "infiniband") -> int | None:
-    """The smallest t whose all-reduces over ``link`` ("nvlink", "infiniband", "in_nodes") outlast its compute."""
-    return next((r.t for r in rows if getattr(r, link) > r.compute), None)
-
-
 def cost_figure(rows: Sequence[CostRow]) -> Figure:
     """Milliseconds per layer and step against t: compute per rank, and the all-reduces over each link."""
     from matplotlib.figure import Figure
@@ -535,7 +436,7 @@ class TensorParallelView(FigureView):
     def _bytes(self, t: int, layout: str, saves: LayerSaves) -> None:
         ax = self.ax_bytes
         ax.clear()
-        one = layer_bytes(t, saves.s, saves.b, saves.h)      # Megatron's re-gathers: 2 all-gathers more, half of it
+        one = cost.layer_bytes(t, saves.s, saves.b, saves.h)      # Megatron's re-gathers: 2 all-gathers more, half of it
         regather = {"forward": 0, "backward": saves.regathered}
         self.bytes_formula = {"forward": one, "backward": one + (one // 2 if layout == LAYOUTS[2] else 0)}
         log = self.traffic.get((t, "TP" if layout == "TP" else "TP+SP"), Traffic() if t == 1 else None)
@@ -558,7 +459,7 @@ class TensorParallelView(FigureView):
         ax.set_xticks([0, 1], ["forward", "backward"], fontsize=8)
         ax.set_xlim(-0.6, 1.6)
         ax.set_ylabel("KiB sent per rank, block 0", fontsize=8)
-        ax.set_ylim(0, 1.6 * layer_bytes(max(k[0] for k in self.saves), saves.s, saves.b, saves.h) / 1024)
+        ax.set_ylim(0, 1.6 * cost.layer_bytes(max(k[0] for k in self.saves), saves.s, saves.b, saves.h) / 1024)
         if log is not None and t > 1:
             ax.legend(fontsize=6, loc="upper left")
 

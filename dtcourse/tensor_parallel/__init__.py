@@ -7,6 +7,8 @@
   ``vocab_parallel_cross_entropy``, each built from the full serial layer.
 * ``parallelize.py``: ``parallelize(gpt, group, sequence_parallel)`` and ``TensorParallel``, the parity
   harness's adapter.
+* ``cost.py``: the formulas: bytes per layer, activations per layer by Korthikanti's terms, and the
+  alpha-beta time of a layer's all-reduces beside its compute (``tp_cost``, ``crossover``).
 
 Example, on every rank under ``dtcourse.launch``::
 
