@@ -44,6 +44,8 @@ from dtcourse.offload import OffloadedOptimizer
 from dtcourse.runtime.launch import launch
 from dtcourse.runtime.timeline import Recording, Span, Timeline, merge, shared_origin
 from dtcourse.zero import STAGES, Collective, ModelStateBytes, ZeRO, default_units, paper_bytes
+from dtcourse.zero.cost import (OPTIMIZER_STATE_BYTES, Predicted, activation_bytes, optimizer_k, predicted_memory,
+                                traffic_formula)
 
 if TYPE_CHECKING:
     import ipywidgets
@@ -56,9 +58,10 @@ __all__ = ["OPTIMIZERS", "MEMORY_MLP", "PROBLEM_MLP", "TIMELINE_MLP", "KINDS", "
 
 # name -> (label, fp32 bytes of optimizer state per parameter, factory)
 OPTIMIZERS: dict[str, tuple[str, int, Callable[..., torch.optim.Optimizer]]] = {
-    "adam": ("AdamW", 8, functools.partial(torch.optim.AdamW, lr=1e-3)),
-    "sgd_momentum": ("SGD, momentum", 4, functools.partial(torch.optim.SGD, lr=1e-2, momentum=0.9)),
-    "sgd": ("SGD", 0, functools.partial(torch.optim.SGD, lr=1e-2)),
+    "adam": ("AdamW", OPTIMIZER_STATE_BYTES["adam"], functools.partial(torch.optim.AdamW, lr=1e-3)),
+    "sgd_momentum": ("SGD, momentum", OPTIMIZER_STATE_BYTES["sgd_momentum"],
+                     functools.partial(torch.optim.SGD, lr=1e-2, momentum=0.9)),
+    "sgd": ("SGD", OPTIMIZER_STATE_BYTES["sgd"], functools.partial(torch.optim.SGD, lr=1e-2)),
 }
 MEMORY_MLP = (20, 30, 30, 5)        # units of 630, 930 and 155 parameters: padded at N = 4 (Ψ = 1,715)
 PROBLEM_MLP = (64, 128, 128, 16)    # units of 8,320, 16,512 and 2,064: no padding at N = 2 or 4 (Ψ = 26,896)
@@ -69,55 +72,8 @@ KINDS = {"parameters": "tab:blue", "gradients": "tab:orange", "optimizer states"
          "activations": "tab:gray", "gathered": "tab:cyan", "buckets": "tab:olive"}
 
 
-def _k(optimizer: str, mixed: bool) -> int:
-    return OPTIMIZERS[optimizer][1] + (4 if mixed else 0)     # the fp32 master counts in K when params are 16-bit
-
-
 def _recipe(mixed: bool) -> Recipe:
     return Recipe(torch.bfloat16) if mixed else Recipe()
-
-
-# --------------------------------------------------------------------------- #
-# The formulas
-# --------------------------------------------------------------------------- #
-@dataclass(frozen=True)
-class Predicted:
-    """The paper's per-rank bytes by kind; ``host`` holds what offloading moved off the device."""
-
-    parameters: float
-    gradients: float
-    optimizer_states: float
-    host: float = 0.0
-
-    @property
-    def device(self) -> float:
-        return self.parameters + self.gradients + self.optimizer_states
-
-
-def predicted_memory(psi: float, world: int, stage: int, optimizer: str = "adam", mixed: bool = True,
-                     offload: bool = False) -> Predicted:
-    """Per-rank model-state bytes of ``psi`` parameters at ``stage`` on ``world`` ranks (the module docstring's K)."""
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"optimizer must be one of {list(OPTIMIZERS)}, got {optimizer!r}.")
-    e, k = (2 if mixed else 4), _k(optimizer, mixed)
-    params = paper_bytes(stage, psi, world, k=0, param_bytes=e, grad_bytes=0)
-    grads = paper_bytes(stage, psi, world, k=0, param_bytes=0, grad_bytes=e)
-    states = paper_bytes(stage, psi, world, k=k, param_bytes=0, grad_bytes=0)
-    return Predicted(params, grads, 0.0, states) if offload else Predicted(params, grads, states)
-
-
-def activation_bytes(sizes: Sequence[int], rows: int, mixed: bool) -> int:
-    """What autograd saves in one rank's forward of ``MLP(sizes)`` under ZeRO (the loss not included):
-    the first Linear's input and each ReLU's output, in the compute dtype (2 or 4 bytes). ZeRO does not
-    shard them: every rank keeps those of its own rows, at every stage."""
-    return rows * (2 if mixed else 4) * sum(sizes[:-1])
-
-
-def traffic_formula(stage: int, padded: int, world: int, param_bytes: int = 2, grad_bytes: int = 2) -> float:
-    """Bytes one rank sends in one step: the gradients travel twice' worth (all-reduce, or reduce-scatter
-    and all-gather), stage 3's parameters once more (gathered for forward and again for backward)."""
-    passes = param_bytes + grad_bytes + (param_bytes if stage == 3 else 0)
-    return passes * padded * (world - 1) / world
 
 
 # --------------------------------------------------------------------------- #
@@ -148,7 +104,7 @@ class RankMemory(ModelStateBytes):
             e = 2 if self.mixed else 4
             return paper_bytes(self.stage, self.padded, self.world, 0, e, e)
         e, counters = (2 if self.mixed else 4), (4 * self.units if self.optimizer == "adam" else 0)
-        return paper_bytes(self.stage, self.padded, self.world, _k(self.optimizer, self.mixed), e, e) + counters
+        return paper_bytes(self.stage, self.padded, self.world, optimizer_k(self.optimizer, self.mixed), e, e) + counters
 
     def by_kind(self) -> dict[str, int]:
         return {"parameters": self.parameters, "gradients": self.gradients, "optimizer states": self.optimizer_states,
@@ -445,7 +401,7 @@ class MemoryView(FigureView):
             handles.append(Patch(facecolor="white", edgecolor="black", hatch="//", label="measured (right bar)"))
         ax.legend(handles=handles, fontsize=7, ncols=3, loc="upper center")
         title = (f"Ψ = {_count(psi)}, N = {world}, {'bf16 + fp32 master' if mixed else 'fp32'} "
-                 f"{OPTIMIZERS[optimizer][0]} (K = {_k(optimizer, mixed)})")
+                 f"{OPTIMIZERS[optimizer][0]} (K = {optimizer_k(optimizer, mixed)})")
         if offload:
             title += f"\noffloaded to the host: {predicted[stage].host / scale:.3g} {unit} per rank at stage {stage}"
         ax.set_title(title, fontsize=9)

@@ -10,7 +10,9 @@ Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Paramet
 * ``communication.py``: the reduce-scatter, all-gather and all-reduce ZeRO runs, through the
   backend or lesson 01's ring, each logged with the bytes it sent.
 * ``sharded.py``: ``ZeRO(module, stage, optimizer)``, stages 0-3, stage 3's prefetch.
-* ``memory.py``: ``ModelStateBytes`` (what a rank holds, ``held_bytes``) and ``paper_bytes`` (the paper's table).
+* ``memory.py``: ``ModelStateBytes`` (what a rank holds, ``held_bytes``).
+* ``cost.py``: the formulas: ``paper_bytes`` (the paper's table), ``predicted_memory`` by kind,
+  ``traffic_formula`` (bytes sent per step) and ``activation_bytes``.
 
 Example, on every rank under ``dtcourse.launch``::
 

@@ -1,24 +1,7 @@
-"""What one rank holds, by kind, and the ZeRO paper's formula for it.
-
-Rajbhandari et al. (arXiv 1910.02054, Figure 1) count the model states of Ψ parameters on each of
-N ranks, with 2-byte (fp16 or bf16) parameters and gradients and K bytes of optimizer state per
-parameter (K = 12 for mixed-precision Adam: the fp32 master, m and v):
-
-=======  ==========================  =========================
-stage    what is sharded             bytes per rank
-=======  ==========================  =========================
-0        nothing (data parallel)     (2 + 2 + K) Ψ
-1        optimizer states (P_os)     2Ψ + 2Ψ + KΨ/N
-2        + gradients (P_os+g)        2Ψ + (2 + K)Ψ/N
-3        + parameters (P_os+g+p)     (2 + 2 + K)Ψ/N
-=======  ==========================  =========================
-
-``paper_bytes`` is that table. ``ModelStateBytes`` is what a ``ZeRO`` rank really holds, read from
-its tensors (``ZeRO.memory()``), padding included: Ψ is then the padded count, a multiple of N per
-unit. In fp32 (no separate master) the same table holds with 4-byte parameters and gradients and
-K = 8. Example::
-
-    paper_bytes(stage=3, psi=7.5e9, world=64)     # 1.875e9: the paper's 7.5B model on 64 GPUs
+"""What one rank holds, by kind: ``ModelStateBytes``, read from a ``ZeRO`` rank's tensors
+(``ZeRO.memory()``, ``held_bytes``), padding included. The ZeRO paper's formula for the same bytes,
+``paper_bytes``, is in ``cost.py`` (imported here too); with padding, Ψ there is the padded count, a
+multiple of N per unit.
 """
 
 from __future__ import annotations
@@ -28,12 +11,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from dtcourse.zero.cost import STAGES, paper_bytes
+
 if TYPE_CHECKING:
     from dtcourse.zero.flat import FlatShard
 
 __all__ = ["ModelStateBytes", "paper_bytes", "held_bytes", "STAGES"]
 
-STAGES = (0, 1, 2, 3)
 
 
 @dataclass(frozen=True)
@@ -63,15 +47,6 @@ class ModelStateBytes:
     def model_states(self) -> int:
         """What the paper's table counts: parameters + gradients + optimizer states."""
         return self.parameters + self.gradients + self.optimizer_states
-
-
-def paper_bytes(stage: int, psi: float, world: int, k: float = 12, param_bytes: float = 2,
-                grad_bytes: float = 2) -> float:
-    """Bytes of model states per rank at ``stage`` for ``psi`` parameters on ``world`` ranks (table above)."""
-    if stage not in STAGES:
-        raise ValueError(f"paper_bytes: stage must be one of {STAGES}, got {stage!r}.")
-    shards = {0: (1, 1, 1), 1: (1, 1, world), 2: (1, world, world), 3: (world, world, world)}[stage]
-    return psi * (param_bytes / shards[0] + grad_bytes / shards[1] + k / shards[2])
 
 
 def held_bytes(flats: list[FlatShard], stage: int, optimizer: torch.optim.Optimizer,
