@@ -26,6 +26,7 @@ Example::
     from dtcourse.checkpointing import checkpoint_sequential
     y = checkpoint_sequential(model.net, segments=2, x=x)   # then y.sum().backward() as usual
 
+``dtcourse.checkpointing_cost`` holds the formulas for what each choice holds and recomputes;
 ``dtcourse.lab.checkpointing`` measures what each choice holds and costs, and
 ``python -m dtcourse.bench.checkpointing`` prints it.
 """

@@ -11,7 +11,7 @@ matplotlib.use("Agg")
 import pytest  # noqa: E402
 
 from dtcourse.bench import pipeline as bench  # noqa: E402
-from dtcourse.pipeline.simulate import bubble_formula  # noqa: E402
+from dtcourse.pipeline.cost import bubble_formula  # noqa: E402
 from dtcourse.runtime.timeline import Timeline  # noqa: E402
 
 STEPS, M = 3, 4

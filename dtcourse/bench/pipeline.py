@@ -48,7 +48,8 @@ from dtcourse.models import GPT, GPTConfig, lm_loss, token_batch
 from dtcourse.pipeline import schedules
 from dtcourse.pipeline.execute import PipelineExecutor, run_schedule
 from dtcourse.pipeline.partition import gpt_boundary_shape, split_gpt, stages_of_rank
-from dtcourse.pipeline.simulate import bubble_formula, simulate
+from dtcourse.pipeline.cost import bubble_formula
+from dtcourse.pipeline.simulate import simulate
 from dtcourse.runtime.launch import launch
 from dtcourse.runtime.timeline import Timeline
 

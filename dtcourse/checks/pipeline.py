@@ -286,7 +286,8 @@ def _schedules_rank(fn: Callable, cases: tuple[str, ...], order: bool, progress:
 
 
 def _order_problem(got: Schedule, p: int, m: int) -> str | None:
-    from dtcourse.pipeline.simulate import bubble_formula, peak_activations, simulate
+    from dtcourse.pipeline.cost import bubble_formula
+    from dtcourse.pipeline.simulate import peak_activations, simulate
     want = _reference(p, m)
     if got == want:
         return None

@@ -5,6 +5,7 @@
   ``restart_count`` (torchrun's ``TORCHELASTIC_RESTART_COUNT``; ``dtcourse.launch(max_restarts=)`` sets it).
 * ``sharded.py``: ``save`` / ``load`` with ``torch.distributed.checkpoint``: shards any world size can load
   (FSDP2 saved by 2 ranks, resumed by 4), blocking or ``async_save``.
+* ``cost.py``: the formulas: Young's and Daly's snapshot intervals and the expected overhead.
 
 Restarting is ``dtcourse.launch(fn, n, max_restarts=k)`` from a notebook, ``torchrun --max-restarts k`` from a
 shell: both only start the workers again. Example, on every rank::

@@ -56,9 +56,10 @@ import torch.nn.functional as F
 
 from dtcourse.checkpointing import (apply_full_recomputation, apply_selective_recomputation,
                                     checkpoint_sequential, segment_bounds)
+from dtcourse.checkpointing_cost import POLICIES, predicted_policy_bytes, predicted_segment_units, recompute_flops
 from dtcourse.lab.problems import Answer
 from dtcourse.lab.widgets import COLUMN_IN, FigureView, figure_widget
-from dtcourse.memory import HeldBytes, gpt_layer_activation_bytes
+from dtcourse.memory import HeldBytes
 from dtcourse.models import GPT, MLP, RECOMPUTE_GPT, GPTConfig, lm_loss, token_batch
 
 if TYPE_CHECKING:
@@ -71,7 +72,6 @@ __all__ = ["mlp_layers", "wide_layers", "SegmentPoint", "predicted_segment_units
            "plot_segments", "plot_policies", "TraceView", "trace_widget", "problem_held_after_forward",
            "problem_best_segments", "problem_selective_flops", "problem_save_on_cpu_bytes"]
 
-POLICIES = ("none", "selective", "full")
 
 
 def _zero_grads(model: nn.Module) -> None:
@@ -97,13 +97,6 @@ def wide_layers(n_layers: int, width: int, ratio: int, seed: int = 0) -> nn.Sequ
         torch.manual_seed(seed)
         return nn.Sequential(*(nn.Sequential(nn.Linear(width, ratio * width), nn.ReLU(),
                                              nn.Linear(ratio * width, width)) for _ in range(n_layers)))
-
-
-def predicted_segment_units(n_layers: int, segments: int) -> int:
-    """Units held after the forward: the inputs of segments 2..k (k - 1), then m - 1 ReLU outputs and
-    the output in the last segment of m layers."""
-    start, end = segment_bounds(n_layers, segments)[-1]
-    return segments - 1 + (end - start)
 
 
 @dataclass(frozen=True)
@@ -186,31 +179,6 @@ def predicted_step_ms(points: Sequence[SegmentPoint]) -> dict[int, float]:
 # --------------------------------------------------------------------------- #
 # Recomputation policies for a GPT
 # --------------------------------------------------------------------------- #
-def predicted_policy_bytes(config: GPTConfig, batch: int, seq_len: int, policy: str) -> int:
-    """Bytes the GPT's layers hold after the forward under ``policy`` (fp32, dropout 0); see the docstring."""
-    s, b, h, a = seq_len, batch, config.d_model, config.n_head
-    layer = gpt_layer_activation_bytes(config, b, s)
-    per_layer = {"none": layer, "selective": layer - 4 * a * s * s * b, "full": 4 * s * b * h}
-    if policy not in per_layer:
-        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}.")
-    return config.n_layer * per_layer[policy]
-
-
-def recompute_flops(config: GPTConfig, batch: int, seq_len: int, policy: str) -> tuple[int, int]:
-    """(FLOPs recomputed in backward, FLOPs of a plain training step), counting matmuls at 2 per multiply-add.
-
-    A layer's forward is 24bsh² (the four linear layers) + 4bs²h (q·kᵀ and the product with v);
-    the LM head adds 2bshV; a step is three forwards' worth (backward is two).
-    """
-    s, b, h, n = seq_len, batch, config.d_model, config.n_layer
-    layer = 24 * b * s * h * h + 4 * b * s * s * h
-    step = 3 * (n * layer + 2 * b * s * h * config.vocab_size)
-    extra = {"none": 0, "selective": n * 4 * b * s * s * h, "full": n * layer}
-    if policy not in extra:
-        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}.")
-    return extra[policy], step
-
-
 @dataclass(frozen=True)
 class PolicyPoint:
     policy: str

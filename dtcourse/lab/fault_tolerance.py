@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from dtcourse.fault_tolerance import Snapshots, sharded
+from dtcourse.fault_tolerance.cost import daly_interval, expected_overhead, young_interval
 from dtcourse.lab.problems import Answer
 from dtcourse.lab.widgets import COLUMN_IN
 from dtcourse.models import DDP_GPT, GPT, GPTConfig, lm_loss, token_batch
@@ -318,27 +319,6 @@ def save_times(config: GPTConfig = DDP_GPT, repeats: int = 5, world: int = 2) ->
     out["dcp async, until written"] += out["dcp async, until it returns"]
     out["parameters"] = sum(p.numel() for p in GPT(config).parameters())
     return out
-
-
-def young_interval(save: float, mtbf: float) -> float:
-    """Young's first-order optimum: checkpoint every sqrt(2 C M) seconds of work."""
-    return math.sqrt(2 * save * mtbf)
-
-
-def daly_interval(save: float, mtbf: float) -> float:
-    """Daly's higher-order optimum: Young's, corrected for a save time C that is not small against M."""
-    if save >= 2 * mtbf:
-        return mtbf
-    x = save / (2 * mtbf)
-    return math.sqrt(2 * save * mtbf) * (1 + math.sqrt(x) / 3 + x / 9) - save
-
-
-def expected_overhead(interval, save: float, mtbf: float, restart: float):
-    """Extra time per unit of work, T/W - 1, for exponential failures (Daly's exact expectation): every
-    ``interval`` of work is followed by a save of ``save``; a failure, also during a save or a restart, costs
-    ``restart`` and the work since the last save."""
-    interval = np.asarray(interval, dtype=float)
-    return mtbf * math.exp(restart / mtbf) * np.expm1((interval + save) / mtbf) / interval - 1
 
 
 def simulate_overhead(interval: float, save: float, mtbf: float, restart: float, work: float,

@@ -26,6 +26,8 @@ from dtcourse.lab.widgets import COLUMN_IN, FigureView, figure_widget
 from dtcourse.models import GPT, GPTConfig, MoE, lm_loss, token_batch
 from dtcourse.models.moe import capacity, load_balancing_loss, route, z_loss
 from dtcourse.moe import AllToAllLog, ExpertParallel, expert_parallelize
+from dtcourse.moe.cost import (balanced_drop, flops_per_token, padded_all_to_all_bytes, parameters,
+                               uniform_all_to_all_bytes)
 from dtcourse.parity import ParityReport, Tolerance, check_parity
 from dtcourse.runtime.launch import launch
 
@@ -142,11 +144,6 @@ def drop_sweep(model: GPT, cfs: Sequence[float] = CFS, ks: Sequence[int] = (1, 2
             for k in ks for cf in cfs}
 
 
-def balanced_drop(n_tokens: int, n_expert: int, top_k: int, cf: float) -> float:
-    """What a perfectly balanced router drops: N k / E choices per expert, C of them kept (max(0, 1 - cf))."""
-    return 1 - min(capacity(n_tokens, n_expert, top_k, cf) * n_expert / (n_tokens * top_k), 1.0)
-
-
 def drop_figure(sweeps: dict[str, dict[tuple[int, float], float]]):
     """One panel per k: each router's measured dropped share against cf, and the perfectly balanced router's."""
     from matplotlib.figure import Figure
@@ -183,12 +180,12 @@ def measure_bytes(eps: Sequence[int] = (2, 4), config: GPTConfig = EP_GPT, rows:
     """A training step on ep real ranks, padded and dropless: rows ``(ep, mode, rank, forward sent, backward sent,
     formula per direction, uniform routing's)`` in bytes. padded: 2 exchanges per layer each way of (ep-1)/ep E C
     rows; dropless: the rows sent to other ranks plus those received from them, from every rank's routing."""
-    E, d, L, N, k = config.n_expert, config.d_model, config.n_layer, rows * config.block_size, config.top_k
+    E, d = config.n_expert, config.d_model
     out = []
     for ep in eps:
         ranks = launch(_bytes_rank, ep, config, rows, timeout=120)
-        local, uniform = E // ep, L * 2 * (ep - 1) / ep * N * k * d * 4
-        padded = L * 2 * (ep - 1) * local * capacity(N, E, k, config.capacity_factor) * d * 4
+        local = E // ep
+        padded, uniform = padded_all_to_all_bytes(config, rows, ep), uniform_all_to_all_bytes(config, rows, ep)
         tokens = [q["dropless"]["tokens"] for q in ranks]                  # (layers, E) per rank
         for r, got in enumerate(ranks):
             mine = slice(r * local, (r + 1) * local)
@@ -200,21 +197,6 @@ def measure_bytes(eps: Sequence[int] = (2, 4), config: GPTConfig = EP_GPT, rows:
 
 
 # ---- Parameters against compute --------------------------------------------------------------------------------------
-def parameters(c: GPTConfig) -> int:
-    """Embeddings and head (2 V d + T d), L blocks of 12 d^2 + 13 d (attention 4d^2 + 4d, MLP 8d^2 + 5d, two
-    LayerNorms), ln_f (2d); with E experts, per layer E - 1 more MLPs and the router (d E)."""
-    d, E = c.d_model, c.n_expert
-    dense = 2 * c.vocab_size * d + c.block_size * d + c.n_layer * (12 * d * d + 13 * d) + 2 * d
-    return dense + c.n_layer * ((E - 1) * (8 * d * d + 5 * d) + d * E) if E else dense
-
-
-def flops_per_token(c: GPTConfig) -> int:
-    """Forward matmul FLOPs per token: 2 x (attention 4d^2, k experts of 8d^2, router dE; scores 2 T d) per layer,
-    and the head 2 d V. Dense: k = 1 and no router."""
-    d, k, E = c.d_model, (c.top_k if c.n_expert else 1), c.n_expert
-    return c.n_layer * 2 * (4 * d * d + k * 8 * d * d + d * E + 2 * c.block_size * d) + 2 * d * c.vocab_size
-
-
 def compute_table(n_experts: Sequence[int] = (2, 4, 8), config: GPTConfig = COMPUTE_GPT, rows: int = 8,
                   steps: int = 5) -> list[dict]:
     """The dense GPT and top-1 dropless MoE GPTs: parameters, forward FLOPs per token (formula, and counted by

@@ -9,6 +9,7 @@ The layer itself (router, top-k gating, capacity, the Switch and z losses) is an
   tokens to their experts' ranks (capacity slots with equal splits, or sorted rows with uneven splits), and back.
 * ``expert_parallel.py``: ``ExpertParallelMoE``, ``expert_parallelize(gpt, group)`` and ``ExpertParallel``,
   the parity harness's adapter (data parallelism for the non-expert parameters).
+* ``cost.py``: the formulas: a balanced router's dropped share, all-to-all bytes, parameters and FLOPs.
 
 Example, on every rank under ``dtcourse.launch``::
 

@@ -4,7 +4,8 @@
 * ``schedules.py``: naive, GPipe, 1F1B, interleaved 1F1B and ZB-H1 orders per rank, each ending in its
   optimizer steps; ``with_communication`` adds the messages.
 * ``validate.py``: ``validate``, a schedule checked for order, completeness, matched messages and deadlock.
-* ``simulate.py``: ``simulate``, a predicted timeline and bubble; ``bubble_formula``; ``peak_activations``.
+* ``simulate.py``: ``simulate``, a predicted timeline and bubble; ``peak_activations``.
+* ``cost.py``: ``bubble_formula``, the papers' idle share of a step by schedule.
 * ``partition.py``: ``balanced_partition`` and ``split_gpt``, a GPT cut into p·v stages of contiguous blocks.
 * ``execute.py``: ``PipelineExecutor`` / ``run_schedule``, one rank's actions run on real ranks, every one timed.
 * ``trace.py``: ``chrome_trace`` / ``write_chrome_trace``, recorded spans for Perfetto and chrome://tracing.
@@ -13,7 +14,8 @@
 from dtcourse.pipeline.actions import COMMUNICATION, COMPUTE, KINDS, STEP, Action, Schedule, without_steps
 from dtcourse.pipeline.schedules import (SCHEDULES, build, gpipe, interleaved_1f1b, naive, one_f_one_b,
                                          with_communication, with_steps, zb_h1)
-from dtcourse.pipeline.simulate import Prediction, bubble_formula, peak_activations, simulate
+from dtcourse.pipeline.cost import bubble_formula
+from dtcourse.pipeline.simulate import Prediction, peak_activations, simulate
 from dtcourse.pipeline.validate import validate
 from dtcourse.pipeline.partition import GPTStage, balanced_partition, gpt_boundary_shape, split_gpt, stages_of_rank
 from dtcourse.pipeline.execute import PipelineExecutor, PipelineParallel, rank_actions, run_schedule, stepper

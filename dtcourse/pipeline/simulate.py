@@ -9,7 +9,7 @@ overlap compute, as with asynchronous p2p). SEND/RECV actions take no time of th
     pred.timeline[0][0]                               # Span(kind='F', name='0F0', start=0.0, end=1.0)
 
 The bubble is the idle share of the step, the step being the time the last rank finishes:
-1 - busy / (p · step) overall, 1 - busy_r / step on rank r. ``bubble_formula`` gives the papers'
+1 - busy / (p · step) overall, 1 - busy_r / step on rank r. ``cost.bubble_formula`` gives the papers'
 closed forms for it; the tests check the simulator against every one of them.
 """
 
@@ -21,7 +21,7 @@ from dtcourse.pipeline.actions import COMMUNICATION, STEP, Action, Schedule
 from dtcourse.pipeline.validate import validate
 from dtcourse.runtime.timeline import Recording, Span
 
-__all__ = ["Prediction", "simulate", "bubble_formula", "peak_activations"]
+__all__ = ["Prediction", "simulate", "peak_activations"]
 
 
 @dataclass(frozen=True)
@@ -81,32 +81,6 @@ def simulate(schedule: Schedule, p: int, m: int, v: int = 1, t_f: float = 1.0, t
     busy = {r: sum(s.duration for s in timeline[r]) for r in range(p)}
     return Prediction(timeline, step, {r: 1 - busy[r] / step for r in range(p)},
                       1 - sum(busy.values()) / (p * step))
-
-
-def bubble_formula(schedule_name: str, p: int, m: int, v: int = 1) -> float:
-    """The idle share of a step from the papers, for t_b = 2 t_f (any ratio, but for ZB-H1).
-
-    * naive, GPipe, 1F1B (arXiv 1811.06965, 2104.04473): each rank idles (p-1)(t_f + t_b) of a step of
-      (m + p - 1)(t_f + t_b): ``(p-1)/(m+p-1)``; naive is m = 1: ``(p-1)/p``.
-    * interleaved 1F1B (arXiv 2104.04473, section 2.2.2): the fill and drain go through chunks
-      1/v as long, so the idle time is (p-1)(t_f + t_b)/v beside m(t_f + t_b) of work:
-      ``(p-1)/(v·m + p-1)`` (m a multiple of p).
-    * ZB-H1 (arXiv 2401.10241, section 3.1) with t_f = t_i = t_w as the paper assumes: the idle time
-      falls to (p-1)(t_f + t_i - t_w) = (p-1)·t_f beside 3m·t_f of work: ``(p-1)/(3m+p-1)``, a
-      third of 1F1B's relative to the work. For m < p the last rank has only m W's where the drain
-      needs p, so it idles p - m more: ``(2p-1-m)/(2m+2p-1)`` (derived here, checked by the simulator).
-    """
-    if schedule_name == "naive":
-        return (p - 1) / p
-    if schedule_name in ("gpipe", "1f1b"):
-        return (p - 1) / (m + p - 1)
-    if schedule_name == "interleaved_1f1b":
-        return (p - 1) / (v * m + p - 1)
-    if schedule_name == "zb_h1":
-        idle = (p - 1) + max(0, p - m)                    # in units of t_f = t_i = t_w
-        return idle / (3 * m + idle)
-    raise ValueError(f"bubble_formula: unknown schedule {schedule_name!r}; "
-                     "use naive, gpipe, 1f1b, interleaved_1f1b or zb_h1.")
 
 
 def peak_activations(schedule: Schedule, p: int) -> dict[int, int]:
