@@ -374,7 +374,7 @@ def test_straggler_recording_puts_the_pull_in_the_communication_lane():
 @pytest.mark.parametrize("name, kwargs", [
     ("problem_sharded_link", dict(workers=4, servers=2)),
     ("problem_colocated_machine", dict(workers=3)),
-    ("problem_ssp_staleness", dict(bound=1, delay=0.2)),
+    ("problem_ssp_staleness", dict(bound=1)),
     ("problem_actor_staleness", dict(actors=2, pull_every=20, push_every=10, updates=3)),
     ("problem_pull_bytes", dict(actors=2, pull_every=20, hidden=16)),
 ])

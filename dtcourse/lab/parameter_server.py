@@ -338,12 +338,11 @@ def problem_colocated_machine(workers: int = 4) -> Answer:
                   * _gradient_bytes(), unit="B", rtol=0.01, why="ranges differ by at most one parameter")
 
 
-def problem_ssp_staleness(bound: int = 2, delay: float = 0.3) -> Answer:
-    """The largest staleness recorded with SSP bound s and one worker slow in every iteration."""
-    run = train(PSConfig(world_size=4, mode="ssp", bound=bound, steps=bound + 2, delays=(0.0, 0.0, delay)))
+def problem_ssp_staleness(bound: int = 2) -> Answer:
+    """The largest staleness recorded with SSP bound s when the last worker stalls after its first gradient."""
+    run = train(PSConfig(world_size=4, mode="ssp", bound=bound, steps=bound + 2, stall=Stall(worker=2, step=0)))
     return Answer(measured=max(u.staleness for u in run.updates), formula=bound, unit="iterations", rtol=0,
-                  why="counted exactly; the fast workers need a few ms per iteration against the straggler's "
-                      f"{delay * 1e3:g} ms, so they reach the bound before its first push")
+                  why="counted exactly; the stall lasts until the others reach the bound, whatever the machine's load")
 
 
 def problem_actor_staleness(actors: int = 3, pull_every: int = 40, push_every: int = 10, updates: int = 2) -> Answer:
