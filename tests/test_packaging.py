@@ -130,7 +130,8 @@ def _make_setup(tmp_path, *args, path=None):
     for name in ("Makefile", "pyproject.toml"):
         shutil.copy(ROOT / name, tmp_path / name)
     env = dict(os.environ, **({"PATH": path} if path else {}))
-    env.pop("PYTHON", None)
+    for inherited in ("PYTHON", "KEEP_TORCH", "TORCH_INDEX", "MAKEFLAGS", "MFLAGS", "MAKELEVEL"):
+        env.pop(inherited, None)         # a make test run with PYTHON=... passes it down through MAKEFLAGS
     make = shutil.which("make")                                          # found before PATH changes
     return subprocess.run([make, "-s", "setup", *args], cwd=tmp_path, env=env, capture_output=True, text=True)
 
