@@ -110,7 +110,9 @@ def _library_answers(topic: str, exercise: str) -> tuple[str, list[tuple[object,
         import torch.utils.checkpoint as tc
         return (f"torch.utils.checkpoint is switched off while exercise {exercise}'s checks run: the exercise "
                 "asks you to write the checkpointing yourself",
-                [(tc.CheckpointFunction, "apply"), (tc, "_checkpoint_without_reentrant_generator")])
+                [(tc.CheckpointFunction, "apply")]     # torch 2.15 calls the generator's _impl directly
+                + [(tc, name) for name in ("_checkpoint_without_reentrant_generator",
+                                           "_checkpoint_without_reentrant_generator_impl") if hasattr(tc, name)])
     if topic == "data_parallel":
         return (f"torch.nn.parallel.DistributedDataParallel is switched off while exercise {exercise}'s checks "
                 "run: the exercise asks you to write the bucketing and the overlap yourself",
