@@ -268,6 +268,16 @@ def test_no_import_cycles():
     assert not cycles, f"import cycles: {[sorted(c) for c in cycles]}; move what both need into a module below them"
 
 
+@pytest.mark.parametrize("stem", sorted(_lessons()))
+def test_every_technique_keeps_its_formulas_in_a_cost_module(stem):
+    # memory.py is lesson 00's formulas themselves (bytes by kind), beside the counters that check them
+    if stem == "memory":
+        return
+    found = [p for p in (PACKAGE / stem / "cost.py", PACKAGE / f"{stem}_cost.py") if p.exists()]
+    assert found, f"{stem}: its formulas belong in dtcourse/{stem}/cost.py (or dtcourse/{stem}_cost.py)"
+    assert not {n for n in _imports(found[0]) if n.startswith(("dtcourse.lab", "dtcourse.bench", "dtcourse.checks"))}
+
+
 def test_layers_depend_downward_only():
     graph = _import_graph()
     for name, deps in graph.items():

@@ -30,6 +30,7 @@ from dtcourse.lab.problems import Answer
 from dtcourse.lab.widgets import COLUMN_IN, FigureView, figure_widget
 from dtcourse.memory import SavedTensors, storage_bytes
 from dtcourse.mixed_precision import DynamicLossScaler, Recipe, Trainer
+from dtcourse.mixed_precision_cost import MIXED_ADAM_BYTES_PER_PARAMETER, ring_all_reduce_bytes
 from dtcourse.models import CURVE_GPT, GPT, GPTConfig, lm_loss, token_batch
 from dtcourse.runtime import launch
 
@@ -595,7 +596,7 @@ def problem_model_state_bytes(recipe: str | Recipe = Recipe(torch.bfloat16),
     """Problem 3: bytes of model states per parameter, counted after one Adam step of ``recipe``."""
     m = recipe_memory(recipe, config, batch_size=1)
     n_tensors = len(list(GPT(config).parameters()))
-    return Answer(measured=m.model_states / m.params, formula=2 + 2 + 12, unit="B", rtol=1e-4,
+    return Answer(measured=m.model_states / m.params, formula=MIXED_ADAM_BYTES_PER_PARAMETER, unit="B", rtol=1e-4,
                   why=f"Adam also keeps a 4-byte step count for each of the {n_tensors} parameter tensors: "
                       f"{4 * n_tensors / m.params:.5f} B per parameter")
 
@@ -604,6 +605,6 @@ def problem_allreduce_bytes(world_size: int = 4, config: GPTConfig = GPTConfig()
     """Problem 4: bytes one rank's ring all-reduce sends per bf16-autocast step, gradients compressed to bf16."""
     sent, _ = allreduce_bytes(world_size, torch.bfloat16, config)
     n_params = sum(p.numel() for p in GPT(config).parameters())
-    return Answer(measured=max(sent), formula=2 * (world_size - 1) / world_size * 2 * n_params, unit="B",
+    return Answer(measured=max(sent), formula=ring_all_reduce_bytes(world_size, n_params, 2), unit="B",
                   rtol=1e-4, why="when N does not divide the gradient's length, the ring's chunks differ by one "
                                  "element, a few bytes in 10^5")

@@ -34,6 +34,7 @@ from dtcourse.lab.problems import Answer
 from dtcourse.lab.widgets import COLUMN_IN
 from dtcourse.models import MLP, regression_batch
 from dtcourse.offload import OffloadedOptimizer
+from dtcourse.offload_cost import bytes_each_way, device_optimizer_bytes, disk_bytes_each_way
 from dtcourse.runtime.launch import launch
 from dtcourse.zero import ZeRO
 
@@ -213,21 +214,21 @@ def _psi(sizes: tuple[int, ...]) -> int:
 def problem_bytes_each_way(world_size: int = 2, sizes: tuple[int, ...] = SIZES) -> Answer:
     """Bytes a rank sends down (gradients) per step with the optimizer on the host, at stage 2."""
     run = measure_offload(world_size, ("host",), sizes=sizes, steps=2)["host"]
-    return Answer(measured=run.down, formula=4 * _psi(sizes) / world_size, unit="B", rtol=0.01,
+    return Answer(measured=run.down, formula=bytes_each_way(_psi(sizes), world_size), unit="B", rtol=0.01,
                   why="each unit's flat part is padded to a multiple of N elements: a few bytes more than 4Ψ/N")
 
 
 def problem_disk_bytes(world_size: int = 2, sizes: tuple[int, ...] = SIZES) -> Answer:
     """Bytes a rank reads from disk per step with AdamW's states on disk: the fp32 part, m and v."""
     run = measure_offload(world_size, ("disk",), sizes=sizes, steps=2)["disk"]
-    return Answer(measured=run.read, formula=12 * _psi(sizes) / world_size, unit="B", rtol=0.01,
+    return Answer(measured=run.read, formula=disk_bytes_each_way(_psi(sizes), world_size), unit="B", rtol=0.01,
                   why="padding, as for the transfers; the step counts stay in memory (one scalar per part)")
 
 
 def problem_device_states(world_size: int = 2, sizes: tuple[int, ...] = SIZES) -> Answer:
     """Bytes of optimizer state a rank's device keeps without offloading (with it: none)."""
     run = measure_offload(world_size, ("device",), sizes=sizes, steps=1)["device"]
-    return Answer(measured=run.device_states, formula=8 * _psi(sizes) / world_size, unit="B", rtol=0.01,
+    return Answer(measured=run.device_states, formula=device_optimizer_bytes(_psi(sizes), world_size), unit="B", rtol=0.01,
                   why="Adam's m and v of the padded part, plus a 4-byte step count per part")
 
 

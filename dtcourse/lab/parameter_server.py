@@ -27,6 +27,7 @@ from dtcourse.collectives import ByteCounter, ring_all_reduce
 from dtcourse.lab.problems import Answer
 from dtcourse.lab.widgets import COLUMN_IN
 from dtcourse.parameter_server import Problem, PSConfig, PSRun, Quadratic, Stall, train
+from dtcourse.parameter_server.cost import colocated_machine_bytes, ring_link_bytes, server_link_bytes
 from dtcourse.parameter_server.actor_learner import ActorLearnerConfig, ActorLearnerRun, act_and_learn, greedy_return
 from dtcourse.parameter_server.rpc import RPCRun, rpc_train
 from dtcourse.runtime.launch import launch
@@ -72,9 +73,9 @@ def traffic(worker_counts: tuple[int, ...] = (1, 2, 3, 4, 6), num_servers: int =
         rows.append({"workers": n, "S": nbytes, "ps": ps_bytes, "ps_rank": busiest, "k": k, "colocated": colocated,
                      # a separate server's link: N pushes in, N pulls out, of S/k each; a worker's: S each way.
                      # Co-located: every range but the machine's own goes out once and comes in once.
-                     "ps_model": 2 * (n - 1) / n * nbytes if colocated else max(n / k, 1) * nbytes,
+                     "ps_model": colocated_machine_bytes(n, nbytes) if colocated else server_link_bytes(n, k, nbytes),
                      "ring": max(max(sent, received) for sent, received in by_rank),
-                     "ring_model": 2 * (n - 1) / n * nbytes})           # lesson 01: every rank's link
+                     "ring_model": ring_link_bytes(n, nbytes)})           # lesson 01: every rank's link
     return rows
 
 
@@ -327,15 +328,16 @@ def _gradient_bytes(problem: Problem = Problem()) -> int:
 def problem_sharded_link(workers: int = 4, servers: int = 2) -> Answer:
     """Bytes per iteration through the busiest link, N workers and k separate servers (sync)."""
     run = train(PSConfig(world_size=workers + servers, num_servers=servers, steps=2))
-    return Answer(measured=run.busiest_link()[1], formula=workers * _gradient_bytes() / servers, unit="B",
+    return Answer(measured=run.busiest_link()[1], formula=server_link_bytes(workers, servers, _gradient_bytes()), unit="B",
                   rtol=0.01, why="k ranges differ by at most one parameter when k does not divide P")
 
 
 def problem_colocated_machine(workers: int = 4) -> Answer:
     """Bytes per iteration out of one machine when k = N servers each share a machine with a worker."""
     run = train(PSConfig(world_size=2 * workers, num_servers=workers, steps=2))
-    return Answer(measured=max(out for out, _ in run.machine_bytes()), formula=2 * (workers - 1) / workers
-                  * _gradient_bytes(), unit="B", rtol=0.01, why="ranges differ by at most one parameter")
+    return Answer(measured=max(out for out, _ in run.machine_bytes()),
+                  formula=colocated_machine_bytes(workers, _gradient_bytes()), unit="B", rtol=0.01,
+                  why="ranges differ by at most one parameter")
 
 
 def problem_ssp_staleness(bound: int = 2) -> Answer:
