@@ -35,18 +35,10 @@ from typing import Callable, Iterator, Mapping
 import torch
 from torch._C._distributed_c10d import ProcessGroup
 
+from dtcourse.runtime.observe import COLLECTIVE_METHODS, patched
 from dtcourse.runtime.refuse import refuse_if_student, refusing
 
 __all__ = ["Watch", "watching", "COLLECTIVE_METHODS"]
-
-COLLECTIVE_METHODS = ("allreduce", "allreduce_coalesced", "allgather", "allgather_coalesced", "_allgather_base",
-                      "allgather_into_tensor_coalesced", "reduce_scatter", "_reduce_scatter_base",
-                      "reduce_scatter_tensor_coalesced", "broadcast", "reduce", "alltoall", "alltoall_base",
-                      "scatter", "gather", "barrier",
-                      # torch 2.13's own methods behind dist.all_gather_single / reduce_scatter_single / ...
-                      "all_gather_single", "all_gather_single_coalesced", "reduce_scatter_single",
-                      "reduce_scatter_single_coalesced", "all_to_all_single")
-
 
 @dataclass
 class Watch:
@@ -67,17 +59,6 @@ def _nbytes(tensors) -> int:
     if isinstance(tensors, (list, tuple)):
         return sum(_nbytes(t) for t in tensors)
     return 0
-
-
-@contextmanager
-def _patched(cls: type, name: str, make: Callable[[Callable], Callable]) -> Iterator[None]:
-    """Replace ``cls.name`` by ``make(original)``; the original descriptor comes back afterwards."""
-    raw = cls.__dict__[name]
-    setattr(cls, name, make(lambda self, *args, **kwargs: raw.__get__(self, cls)(*args, **kwargs)))
-    try:
-        yield
-    finally:
-        setattr(cls, name, raw)
 
 
 def _collective(name: str, original: Callable, watch: Watch, p2p_only: bool) -> Callable:
@@ -164,9 +145,9 @@ def watching(topics: Mapping[str, str], p2p_only: bool = False) -> Iterator[Watc
                 stack.enter_context(_switched_off(owner, name, topic, why))
         for name in COLLECTIVE_METHODS:
             if name in ProcessGroup.__dict__:
-                stack.enter_context(_patched(ProcessGroup, name,
-                                             lambda original, n=name: _collective(n, original, watch, p2p_only)))
-        stack.enter_context(_patched(ProcessGroup, "send", lambda original: _point_to_point(watch.sent, original)))
-        stack.enter_context(_patched(ProcessGroup, "recv",
-                                     lambda original: _point_to_point(watch.received, original)))
+                stack.enter_context(patched(ProcessGroup, name,
+                                            lambda original, n=name: _collective(n, original, watch, p2p_only)))
+        stack.enter_context(patched(ProcessGroup, "send", lambda original: _point_to_point(watch.sent, original)))
+        stack.enter_context(patched(ProcessGroup, "recv",
+                                    lambda original: _point_to_point(watch.received, original)))
         yield watch

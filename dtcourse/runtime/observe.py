@@ -1,0 +1,177 @@
+"""One observer of communication: what a process sends through its process groups, recorded where every
+``torch.distributed`` call ends up, with a label that the caller sets.
+
+The algorithms take no logging arguments. A lesson, a benchmark or a check that wants to see their
+traffic wraps the run::
+
+    with observe() as log:
+        with label("blocks.0"):
+            model(x).sum().backward()
+    log.records[0]          # Record(op="allreduce", group_size=2, group_rank=0, peer=None, numel=..., nbytes=...,
+                            #        start=..., end=..., label="blocks.0", backward=False)
+    log.total("nbytes", op="allreduce", backward=True)
+
+Where it sits: on the ``ProcessGroup`` methods that ``torch.distributed``'s functions call (``dist.all_reduce``
+calls ``ProcessGroup.allreduce``; ``isend``, ``send`` and ``batch_isend_irecv`` call ``send``). So a function
+saved under another name before the block, or one reached through ``distributed_c10d``, is seen too. A
+record's ``nbytes`` is what the call was handed (for a collective, its input tensors; for ``send`` and
+``recv``, the message), not what crosses a wire: how many bytes an algorithm moves for it is a formula
+(``dtcourse.collectives.cost``). ``backward`` says whether autograd's backward pass made the call.
+``start`` is when the call was made, ``end`` when its work completed (``time.perf_counter``; ``None`` for
+work not completed by the end of the block).
+
+Labels nest (``label("blocks.0")`` inside ``label("forward")`` records ``"forward/blocks.0"``) and are
+per thread. Everything is put back when the block ends. Blocks may nest: each log sees every call.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+from torch._C._distributed_c10d import ProcessGroup
+
+__all__ = ["Record", "CommLog", "observe", "label", "COLLECTIVE_METHODS", "POINT_TO_POINT_METHODS", "patched"]
+
+COLLECTIVE_METHODS = ("allreduce", "allreduce_coalesced", "allgather", "allgather_coalesced", "_allgather_base",
+                      "allgather_into_tensor_coalesced", "reduce_scatter", "_reduce_scatter_base",
+                      "reduce_scatter_tensor_coalesced", "broadcast", "reduce", "alltoall", "alltoall_base",
+                      "scatter", "gather", "barrier",
+                      # torch 2.13's own methods behind dist.all_gather_single / reduce_scatter_single / ...
+                      "all_gather_single", "all_gather_single_coalesced", "reduce_scatter_single",
+                      "reduce_scatter_single_coalesced", "all_to_all_single")
+POINT_TO_POINT_METHODS = ("send", "recv")
+
+
+@dataclass
+class Record:
+    """One call on a process group, as this rank made it."""
+
+    op: str                 # the ProcessGroup method: "allreduce", "_allgather_base", "send", ...
+    group_size: int
+    group_rank: int
+    peer: int | None        # send / recv: the group rank of the other side; collectives: None
+    numel: int
+    nbytes: int
+    start: float
+    end: float | None
+    label: str
+    backward: bool
+
+
+@dataclass
+class CommLog:
+    """The records of one ``observe`` block, in the order the calls were made."""
+
+    records: list[Record] = field(default_factory=list)
+
+    def select(self, **match) -> list[Record]:
+        """The records whose fields equal ``match`` (``op="send"``, ``backward=True``, ``label="blocks.0"``)."""
+        return [r for r in self.records if all(getattr(r, k) == v for k, v in match.items())]
+
+    def total(self, what: str = "nbytes", **match) -> int:
+        return sum(getattr(r, what) for r in self.select(**match))
+
+
+_LOGS: list[CommLog] = []                   # the open observe() blocks, innermost last
+_LOCAL = threading.local()                  # .labels: this thread's label stack
+
+
+@contextmanager
+def label(name: str) -> Iterator[None]:
+    """Calls made inside get ``name`` as their label (joined with ``/`` to the labels around it)."""
+    stack = getattr(_LOCAL, "labels", None)
+    if stack is None:
+        stack = _LOCAL.labels = []
+    stack.append(name)
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def _current_label() -> str:
+    return "/".join(getattr(_LOCAL, "labels", ()))
+
+
+def _tensors(args) -> list[torch.Tensor]:
+    """The tensors of a call's arguments, nested lists included."""
+    found = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            found.append(a)
+        elif isinstance(a, (list, tuple)):
+            found += _tensors(a)
+    return found
+
+
+def _input_tensors(name: str, args) -> list[torch.Tensor]:
+    """What the call was handed to send: the input side where a method takes (output, input)."""
+    if name in ("_allgather_base", "_reduce_scatter_base", "all_gather_single", "reduce_scatter_single",
+                "all_to_all_single", "alltoall_base"):
+        return _tensors(args[1:2])          # (output, input, ...)
+    if name in ("allgather", "reduce_scatter", "alltoall", "allgather_coalesced", "gather",
+                "allgather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced",
+                "all_gather_single_coalesced", "reduce_scatter_single_coalesced"):
+        return _tensors(args[1:2])          # (outputs, inputs, ...)
+    return _tensors(args[:1])               # allreduce, broadcast, reduce, scatter, send, recv: the tensors
+
+
+def _observed(name: str, original: Callable) -> Callable:
+    def call(self, *args, **kwargs):
+        if not _LOGS:
+            return original(self, *args, **kwargs)
+        tensors = _input_tensors(name, args)
+        peer = int(args[1]) if name in POINT_TO_POINT_METHODS and len(args) > 1 else None
+        record = Record(name, self.size(), self.rank(), peer, sum(t.numel() for t in tensors),
+                        sum(t.nbytes for t in tensors), time.perf_counter(), None, _current_label(),
+                        torch._C._current_autograd_node() is not None)
+        for log in _LOGS:
+            log.records.append(record)
+        work = original(self, *args, **kwargs)
+        try:
+            work.get_future().add_done_callback(lambda _: setattr(record, "end", time.perf_counter()))
+        except (AttributeError, RuntimeError):      # a backend without futures: the call's return instead
+            record.end = time.perf_counter()
+        return work
+    return call
+
+
+@contextmanager
+def patched(cls: type, name: str, make: Callable[[Callable], Callable]) -> Iterator[None]:
+    """Replace ``cls.name`` by ``make(original)``; the original descriptor comes back afterwards."""
+    raw = cls.__dict__[name]
+    setattr(cls, name, make(lambda self, *args, **kwargs: raw.__get__(self, cls)(*args, **kwargs)))
+    try:
+        yield
+    finally:
+        setattr(cls, name, raw)
+
+
+_PATCH_LOCK = threading.Lock()
+_PATCHES: list[ExitStack] = []              # the ProcessGroup patch, held while any observe() block is open
+
+
+@contextmanager
+def observe() -> Iterator[CommLog]:
+    """Record every process-group call this process makes inside the block (see the module docstring)."""
+    log = CommLog()
+    with _PATCH_LOCK:
+        if not _LOGS:
+            stack = ExitStack()
+            for name in COLLECTIVE_METHODS + POINT_TO_POINT_METHODS:
+                if name in ProcessGroup.__dict__:
+                    stack.enter_context(patched(ProcessGroup, name, lambda original, n=name: _observed(n, original)))
+            _PATCHES.append(stack)
+        _LOGS.append(log)
+    try:
+        yield log
+    finally:
+        with _PATCH_LOCK:
+            _LOGS.remove(log)
+            if not _LOGS:
+                _PATCHES.pop().close()
