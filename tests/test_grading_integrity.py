@@ -169,7 +169,10 @@ def test_the_audit_leaves_ordinary_code_alone():
                 "def ring(t):\n    check_ok = True\n    rank = dist.get_rank()\n    t.add_(1)\n    return check_ok",
                 "class DDP:\n    def __init__(self):\n        self.work = dist.get_world_size()",
                 "check_all_reduce(ring)", "import dtcourse.checks as c\nc.check_all_reduce(ring)",
-                "!ls\n%timeit ring"]
+                "!ls\n%timeit ring",
+                # the student's own helper, and a helper the exercise offers, named like checks: not checks
+                "def check_split(t, n):\n    assert t % n == 0",
+                "from dtcourse.tensor_parallel.layers import check_divides\ncheck_divides(2, 8, 'width')"]
     assert audit_cells(ordinary) == []
     for name in NAMES:   # every solution and released notebook, every cell
         for folder in ("solutions", "exercises"):

@@ -6,8 +6,9 @@ A check is only as good as the code that runs it. A solution cell that says
 import their checks themselves and the checks run fresh copies of their modules (see
 ``dtcourse.checks``), and this audit reports what is left: every place where a submission
 
-* binds a name that starts with ``check_`` (other than importing that very check from
-  ``dtcourse.checks``);
+* binds the name of one of the course's checks (a ``check_...`` function of ``dtcourse.checks``),
+  other than by importing that very check from ``dtcourse.checks``; a helper of the student's own
+  called ``check_split``, or one the exercise offers (``check_divides``), is left alone;
 * assigns to, deletes or ``setattr``s an attribute or item of ``dtcourse``, ``torch.distributed``,
   ``torch.utils.checkpoint``, ``sys``, ``builtins`` or ``importlib`` (or of a name imported from them);
 * names the grading's own guards (``dtcourse.runtime.refuse``, ``dtcourse.checks.guard``) or
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +35,7 @@ from typing import Iterable
 __all__ = ["Finding", "audit_source", "audit_cells", "audit_notebook", "main"]
 
 GUARDED = ("dtcourse", "torch.distributed", "torch.utils.checkpoint", "sys", "builtins", "importlib")
+CHECKS_DIR = Path(__file__).resolve().parents[1] / "checks"
 GUARDS = ("dtcourse.runtime.refuse", "dtcourse.checks.guard", "ReferenceRefused", "refuse_if_student",
           "student_on_stack")
 
@@ -48,6 +51,20 @@ class Finding:
     def __str__(self) -> str:
         where = f"cell {self.cell}, line {self.line}" if self.cell is not None else f"line {self.line}"
         return f"{where}: {self.what}"
+
+
+@functools.lru_cache(maxsize=1)
+def check_names() -> frozenset[str]:
+    """The course's checks: every top-level ``check_...`` function of a ``dtcourse.checks`` module, and the
+    ``check_...`` names its package binds (``check_x = _isolated(...)``)."""
+    names = set()
+    for path in CHECKS_DIR.glob("*.py"):
+        for node in ast.parse(path.read_text(), str(path)).body:
+            if isinstance(node, ast.FunctionDef):
+                names.add(node.name)
+            elif isinstance(node, ast.Assign):
+                names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+    return frozenset(n for n in names if n.startswith("check_"))
 
 
 def _guarded(module: str) -> bool:
@@ -77,8 +94,8 @@ class _Visitor(ast.NodeVisitor):
         return ".".join([self.modules[node.id], *reversed(parts)])
 
     def _bind(self, node: ast.AST, name: str, how: str) -> None:
-        if name.startswith("check_") and self.depth == 0:
-            self._flag(node, f"{how} {name!r}, a name the test cells use for a check")
+        if name in check_names() and self.depth == 0:
+            self._flag(node, f"{how} {name!r}, the name of one of the course's checks")
 
     def visit_Import(self, node: ast.Import) -> None:
         for alias in node.names:
