@@ -41,6 +41,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(if $(KEEP_TORCH),,$(PY) -m pip install --quiet '$(TORCH_PIN)' $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX),))
 	PYTHONWARNINGS=$(QUIET_EDITABLE) $(PY) -m pip install --quiet -e '.[dev]'
+	@# a kept torch's torchrun is its Python's, outside the venv: the lessons' !torchrun needs the venv's Python
+	@test -e $(VENV)/bin/torchrun || { printf '#!/bin/sh\nexec "$$(dirname "$$0")/python" -m torch.distributed.run "$$@"\n' \
+		> $(VENV)/bin/torchrun && chmod +x $(VENV)/bin/torchrun; }
 	@$(PY) -c 'import torch; print(f"dtcourse: torch {torch.__version__} in $(VENV)")'
 	@touch $(STAMP)
 
