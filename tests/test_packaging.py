@@ -163,3 +163,4 @@ def test_keep_torch_uses_the_pythons_own_torch_and_installs_none_first(tmp_path)
     keep = _make_setup(tmp_path, "-n", f"PYTHON={sys.executable}", "KEEP_TORCH=1")
     assert f"{sys.executable} -m venv --system-site-packages .venv" in keep.stdout, keep.stdout
     assert "torch==" not in keep.stdout and "-e '.[dev]'" in keep.stdout
+    assert "-m torch.distributed.run" in keep.stdout      # a torchrun that runs the venv's Python
