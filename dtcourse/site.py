@@ -110,7 +110,7 @@ def index(pages: list[tuple[str, str]], summaries: list[str], seconds: list[floa
 <html lang="en"><head><meta charset="utf-8"><title>dtcourse: distributed training, lesson by lesson</title>
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <style>body {{ font: 16px/1.5 system-ui, sans-serif; max-width: 760px; margin: 40px auto; padding: 0 16px; }}
-li {{ margin: 0 0 12px; }} small {{ color: #555; }}</style></head>
+ul.lessons {{ list-style: none; padding-left: 0; }} li {{ margin: 0 0 12px; }} small {{ color: #555; }}</style></head>
 <body>
 <h1>dtcourse</h1>
 <p>A course on distributed deep-learning training, in notebooks that run real multi-process code on a
@@ -118,9 +118,9 @@ laptop. These pages are the lessons as they ran, with every output and figure; t
 move a widget or do the problems, open the course in JupyterLab (see the repository's README).</p>
 <p><small>Outputs made on {when} on {html.escape(machine)}. Times and measured rates are this
 machine's.</small></p>
-<ol start="0">
+<ul class="lessons">
 {rows}
-</ol>
+</ul>
 </body></html>
 """
 
