@@ -66,7 +66,7 @@ def nav(pages: list[tuple[str, str]], i: int, where: str = "top") -> str:
     return f'<nav class="dtcourse-nav {where}">{prev}<a href="index.html">Contents</a>{nxt}</nav>'
 
 
-def execute(path: Path, timeout: int) -> tuple["object", float]:
+def execute(path: Path, timeout: int, env: dict[str, str]) -> tuple["object", float]:
     """Run the lesson in a fresh kernel in its own folder; the executed notebook and the seconds it took."""
     import tempfile
 
@@ -79,7 +79,7 @@ def execute(path: Path, timeout: int) -> tuple["object", float]:
     with tempfile.TemporaryDirectory() as sockets:   # the kernel's channels: local sockets, not TCP ports
         km = KernelManager(kernel_name="python3", transport="ipc", ip=os.path.join(sockets, "kernel"))
         try:
-            NotebookClient(nb, km=km, timeout=timeout, resources={"metadata": {"path": str(path.parent)}}).execute()
+            NotebookClient(nb, km=km, timeout=timeout, resources={"metadata": {"path": str(path.parent)}}).execute(env=env)
         finally:                                     # a kernel manager passed in is the caller's to stop
             if km.has_kernel:
                 km.shutdown_kernel()
@@ -127,9 +127,10 @@ machine's.</small></p>
 
 def build(lessons: list[Path], out: Path, timeout: int = 600) -> list[float]:
     """Execute ``lessons`` and write one page each and ``index.html`` into ``out``; seconds per lesson."""
-    os.environ["DTCOURSE_STATIC_WIDGETS"] = "1"                   # read by each kernel as it starts
-    os.environ["OMP_NUM_THREADS"] = "1"                            # one thread per rank, as in make test
-    os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"   # torchrun
+    # each kernel's environment, not this process's: widgets as pictures, one thread per rank as in make test,
+    # and this Python's torchrun first on the PATH
+    env = dict(os.environ, DTCOURSE_STATIC_WIDGETS="1", OMP_NUM_THREADS="1",
+               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
     out.mkdir(parents=True, exist_ok=True)
     infos = [lesson_info(p) for p in lessons]
     pages = [(p.stem + ".html", title) for p, (title, _) in zip(lessons, infos)]
@@ -137,7 +138,7 @@ def build(lessons: list[Path], out: Path, timeout: int = 600) -> list[float]:
     for i, path in enumerate(lessons):
         print(f"{path.name}: running ...", end=" ", flush=True)
         try:
-            nb, took = execute(path, timeout)
+            nb, took = execute(path, timeout, env)
         except Exception as err:        # nbclient's CellExecutionError names the cell and the error
             raise SystemExit(f"\n{path}: a cell failed, so the site was not built.\n{err}") from None
         (out / pages[i][0]).write_text(page(nb, nav(pages, i), nav(pages, i, "bottom"), pages[i][1]))

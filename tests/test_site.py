@@ -24,7 +24,8 @@ def _lesson(path, title, cells):
     return path
 
 
-def test_the_site_has_one_executed_page_per_lesson_in_order(tmp_path):
+def test_the_site_has_one_executed_page_per_lesson_in_order(tmp_path, monkeypatch):
+    monkeypatch.delenv("DTCOURSE_STATIC_WIDGETS", raising=False)
     lessons = [_lesson(tmp_path / "00_first.ipynb", "00 · First", ["print(6 * 7)"]),
                _lesson(tmp_path / "01_second.ipynb", "01 · Second", [WIDGET])]
     out = tmp_path / "site"
@@ -39,6 +40,8 @@ def test_the_site_has_one_executed_page_per_lesson_in_order(tmp_path):
     assert 'href="index.html"' in first and 'href="index.html"' in second
     assert "data:image/png;base64," in second and "height = 3" in second   # the widget, as a picture
     assert '<script type="application/vnd.jupyter.widget-view+json">' not in second     # no live widget left
+    import os
+    assert "DTCOURSE_STATIC_WIDGETS" not in os.environ           # set for the kernels only, not this process
 
 
 def test_a_failing_cell_stops_the_build_and_names_the_lesson(tmp_path):
