@@ -74,8 +74,8 @@ def run_lesson(page, port, name, log):
             break
         page.wait_for_timeout(1000)
     took = time.time() - started
-    errors = page.evaluate("""(R) => [...document.querySelectorAll(R + ' .jp-OutputArea-output')]
-          .map(e => e.innerText).filter(t => /Traceback|Error:/.test(t)).map(t => t.slice(0, 400))""", ROOT)
+    errors = page.evaluate(r"""(R) => [...document.querySelectorAll(R + ' .jp-OutputArea-output')]
+          .map(e => e.innerText).filter(t => /Traceback \(most recent call last\)|^[A-Za-z_.]*Error: /m.test(t)).map(t => t.slice(0, 400))""", ROOT)
     log.append({"lesson": name, "run_all_s": round(took, 1), "errors": errors})
     widgets = page.locator(ROOT + " " + WIDGET)
     n = widgets.count()

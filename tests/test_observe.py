@@ -6,7 +6,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroup
 
 from dtcourse import launch
-from dtcourse.runtime.observe import label, observe
+from dtcourse.runtime.observe import label, labelled, observe
 
 
 class _SumInBackward(torch.autograd.Function):
@@ -71,3 +71,44 @@ def test_every_call_is_recorded_with_its_bytes_peer_label_and_phase():
         backward = [r for r in rows if r[5]]
         assert [(r[0], r[4]) for r in backward] == [("allreduce", "step")] and backward_bytes == 16
         assert all(r[6] == n and r[7] == rank and r[8] for r in rows)              # ended, after it started
+
+
+class _Column(torch.nn.Linear):                    # f, then the matmul: an all-reduce in backward
+    def forward(self, x):
+        return super().forward(_SumInBackward.apply(x))
+
+
+class _Two(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = _Column(4, 4), _Column(4, 4)
+
+    def forward(self, x):
+        return self.second(self.first(x))
+
+
+def _labelled_rank():
+    model = _Two()
+    x = torch.ones(2, 4, requires_grad=True)
+    with observe() as log:
+        with labelled(model):
+            y = model(x)
+        def queue(_):                                       # a call queued for the end of backward, as DDP's
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: dist.all_reduce(torch.ones(3)))
+        y.register_hook(queue)
+        with label("after"):
+            y.sum().backward()
+    return [(r.label, r.backward, r.numel) for r in log.records]
+
+
+def test_a_backward_call_carries_the_label_its_forward_node_was_created_under():
+    for rows in launch(_labelled_rank, 2):
+        # backward runs second's node first; the queued call has no node: the labels around backward()
+        assert rows == [("second", True, 8), ("first", True, 8), ("after", True, 3)]
+
+
+def test_labelled_refuses_a_submodule_the_model_does_not_have():
+    import pytest
+    with pytest.raises(ValueError, match="no submodule 'third'"):
+        with labelled(_Two(), {"third": "x"}):
+            pass

@@ -14,7 +14,8 @@ import torch.nn as nn
 from dtcourse import RankError, launch
 from dtcourse.models import GPT, GPTConfig, lm_loss, token_batch
 from dtcourse.parity import DTensorPlan, Tolerance, check_parity, whole_batch
-from dtcourse.tensor_parallel import ColumnParallelLinear, TensorParallel, Traffic, check_divides
+from dtcourse.lab.tensor_parallel import Traffic, step_traffic
+from dtcourse.tensor_parallel import ColumnParallelLinear, TensorParallel, check_divides
 
 # d_model 48, 6 heads, vocabulary 48, 4 d_model = 192, sequence 12: every size divides by 1, 2, 3 and 4
 # except the heads at t = 4, so t = 4 uses CFG4.
@@ -38,16 +39,25 @@ def _batches(cfg):
     return [token_batch(cfg, B, seed=s) for s in range(STEPS)]
 
 
-def _tp(sp, traffic=None):
-    return lambda model, group: TensorParallel(model, group, adamw, sequence_parallel=sp, traffic=traffic)
+def _tp(sp):
+    return lambda model, group: TensorParallel(model, group, adamw, sequence_parallel=sp)
+
+
+def _traffic(cfg, sp, **kwargs):
+    """Every collective of STEPS training steps, as the observer records them (dtcourse.runtime.observe)."""
+    tp, log = TensorParallel(GPT(cfg, seed=0), None, adamw, sequence_parallel=sp, **kwargs), Traffic()
+    for x, y in _batches(cfg):
+        log += step_traffic(tp, x, y)
+        tp.step()
+        tp.zero_grad()
+    return log
 
 
 def _parity_cases(cfg):
-    """Both layouts side by side against one process, each logging its traffic."""
-    logs = {False: Traffic(), True: Traffic()}
-    report = check_parity(lambda: GPT(cfg, seed=0), {"TP": _tp(False, logs[False]), "TP+SP": _tp(True, logs[True])},
+    """Both layouts side by side against one process; then each one's traffic."""
+    report = check_parity(lambda: GPT(cfg, seed=0), {"TP": _tp(False), "TP+SP": _tp(True)},
                           _batches(cfg), lm_loss, adamw, tolerance=ONE_PROCESS, split=whole_batch)
-    return report, logs
+    return report, {sp: _traffic(cfg, sp) for sp in (False, True)}
 
 
 @pytest.mark.parametrize("t", [1, 2, 3, 4])
@@ -100,11 +110,11 @@ def _on_a_mesh():
     from dtcourse.mesh import ParallelDims, build_groups
     from dtcourse.tensor_parallel import parallelize
     mesh = build_groups(ParallelDims(dp=2, pp=1, tp=2))             # tp groups [0, 1] and [2, 3]
-    logs = Traffic()
     report = check_parity(lambda: GPT(CFG, seed=0),
-                          lambda model, group: TensorParallel(model, None, adamw, traffic=logs, mesh=mesh),
+                          lambda model, group: TensorParallel(model, None, adamw, mesh=mesh),
                           _batches(CFG), lm_loss, adamw, tolerance=ONE_PROCESS, split=whole_batch,
                           group=mesh.group("tp"))
+    logs = _traffic(CFG, False, mesh=mesh)
     try:
         parallelize(GPT(CFG, seed=0), group=torch.distributed.group.WORLD, mesh=mesh)   # not this rank's tp group
     except ValueError as err:

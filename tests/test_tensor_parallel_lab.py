@@ -1,4 +1,4 @@
-"""What lesson 09 runs and draws (dtcourse/lab/tensor_parallel.py): bytes per layer from the Traffic log of real
+"""What lesson 09 runs and draws (dtcourse/lab/tensor_parallel.py): bytes per layer, as the observer records them, of real
 ranks against 2·2(t-1)/t·sbh·4, one block's saved bytes by Korthikanti's terms against the paper's formula
 adjusted term by term, Megatron's saved shards, the alpha-beta crossover, the split figure rebuilt from the real
 shards, the widget driven by ``.value`` and the problems.

@@ -22,8 +22,8 @@ Per world size, one launch builds the four variants and they take turns step by 
 later each round, so a burst of load from elsewhere on the machine lands on all of them alike. A step lasts
 as long as its slowest rank (an all-reduce MAX of the ranks' times, made after the round). "vs DTensor" is
 the median of the round-by-round ratios of the course's step to the DTensor plan's in the same layout
-(paired), with their quartiles. "sent" is what one rank of the course's model sent in one step, from its
-``Traffic`` log (bandwidth-optimal algorithms, as ``Traffic`` counts them); the DTensor plan's is not visible.
+(paired), with their quartiles. "sent" is what one rank of the course's model sent in one more step, untimed, as
+``dtcourse.runtime.observe`` records it (bytes of bandwidth-optimal algorithms, ``lab.tensor_parallel.traffic_of``).
 
 With more ranks than CPU cores (t = 4 on a 2-core machine) the ranks take turns on the cores: the step
 times then include the operating system's scheduling, and the ratio is a comparison under oversubscription.
@@ -59,18 +59,25 @@ def _adamw(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=LR)
 
 
-def _ours(model: GPT, sp: bool) -> tuple[Step, Callable[[], int]]:
+def _ours(model: GPT, sp: bool) -> tuple[Step, Callable[[torch.Tensor, torch.Tensor], int]]:
     from dtcourse.tensor_parallel import TensorParallel, vocab_parallel_lm_loss
+
+    from dtcourse.lab.tensor_parallel import traffic_of
+    from dtcourse.runtime.observe import observe
 
     tp = TensorParallel(model, None, _adamw, sequence_parallel=sp)
 
     def step(idx: torch.Tensor, targets: torch.Tensor) -> None:
-        tp.traffic.clear()                              # this step's collectives alone
         tp.zero_grad()
         logits = tp.model(idx)                          # (B, T, V/t): no gather of the full logits
-        vocab_parallel_lm_loss(logits, targets, tp.group, tp.traffic).backward()   # SP's grads summed by a hook
+        vocab_parallel_lm_loss(logits, targets, tp.group).backward()   # SP's grads summed by a hook
         tp.step()
-    return step, lambda: tp.traffic.total("sent")
+
+    def sent(idx: torch.Tensor, targets: torch.Tensor) -> int:
+        with observe() as log:                          # one more step, untimed, its collectives recorded
+            step(idx, targets)
+        return traffic_of(log).total("sent")
+    return step, sent
 
 
 def _dtensor(model: GPT, sp: bool) -> tuple[Step, None]:
@@ -115,7 +122,7 @@ def _time_rank(config: GPTConfig, batch_size: int, seq_len: int, warmup: int, st
         if i >= warmup:
             for var, t in zip(variants, elapsed.tolist()):
                 times[var].append(t)
-    sent = {layout: runs[(layout, "dtcourse")][1]() for layout in LAYOUTS}
+    sent = {layout: runs[(layout, "dtcourse")][1](idx, targets) for layout in LAYOUTS}
     return {"times": times, "sent": sent, "device": str(dev), "backend": dist.get_backend()}
 
 
@@ -197,7 +204,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"oversubscribed: t = {', '.join(map(str, over))} runs more ranks than the {cpus} CPUs, which the "
               f"ranks share: those times include the scheduler's turns")
     print("\nvs DTensor: median (and quartiles) of the round-by-round ratios dtcourse / DTensor (paired), same "
-          "layout. sent: one rank of the course's model, one step, from its Traffic log\n")
+          "layout. sent: one rank of the course's model, one step, as the observer records it\n")
     print(table(rows))
     for t in args.world_sizes:
         mine = [r for r in rows if r["world_size"] == t]

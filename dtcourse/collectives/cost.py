@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import statistics
 
-__all__ = ["analytic_bytes", "predict_time", "predict_ring_step", "fit_alpha_beta", "algbw", "busbw",
+__all__ = ["analytic_bytes", "ring_bytes_sent", "predict_time", "predict_ring_step", "fit_alpha_beta", "algbw", "busbw",
            "BUSBW_FACTOR"]
 
 ALL_REDUCE_ALGORITHMS = ("naive", "tree", "ring")
@@ -39,6 +39,19 @@ def analytic_bytes(algorithm: str, nbytes: int, world_size: int, rank: int = 0) 
         edges = children + (1 if rank else 0)
         return (edges * s, edges * s)
     raise ValueError(f"unknown algorithm {algorithm!r}; choose from {list(ALL_REDUCE_ALGORITHMS)}")
+
+
+def ring_bytes_sent(collective: str, full_nbytes: int, world_size: int) -> int:
+    """Bytes one rank sends in a bandwidth-optimal (ring) collective over a full tensor of ``full_nbytes``:
+    2(N-1)/N of it for an all-reduce, (N-1)/N for an all-gather (of its output) or a reduce-scatter (of its
+    input); rounded down, as a rank sends whole elements."""
+    n = world_size
+    if collective == "all_reduce":
+        return 2 * (n - 1) * full_nbytes // n
+    if collective in ("all_gather", "reduce_scatter"):
+        return (n - 1) * full_nbytes // n
+    raise ValueError(f"ring_bytes_sent: unknown collective {collective!r}; choose all_reduce, all_gather or "
+                     f"reduce_scatter")
 
 
 def predict_time(algorithm: str, nbytes: float, world_size: int, alpha: float, beta: float,

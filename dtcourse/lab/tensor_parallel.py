@@ -32,23 +32,26 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from dtcourse.collectives.cost import ring_bytes_sent
 from dtcourse.lab.problems import Answer
 from dtcourse.lab.widgets import COLUMN_IN, FigureView, figure_widget
 from dtcourse.memory import storage_bytes
 from dtcourse.models import GPT, GPTConfig, token_batch
 from dtcourse.runtime.launch import launch
+from dtcourse.runtime.observe import CommLog, label, labelled, observe
 from dtcourse.tensor_parallel import cost
 from dtcourse.tensor_parallel.cost import (GATHERED, GPT3_LAYER, H100_BF16, INFINIBAND, LAYOUTS, MFU, NODE, NVLINK, TERMS,
                                            CostRow, Link, Term, crossover, paper_layer_bytes, predicted_terms, tp_cost)
-from dtcourse.tensor_parallel import (ColumnParallelLinear, TensorParallel, Traffic, gather_from_sequence_parallel,
-                                      gather_shards, parallelize)
+from dtcourse.tensor_parallel import (ColumnParallelLinear, TensorParallel, gather_from_sequence_parallel,
+                                      gather_shards, parallelize, vocab_parallel_lm_loss)
 
 if TYPE_CHECKING:
     import ipywidgets
     from matplotlib.figure import Figure
 
 __all__ = ["TP_GPT", "SPLIT_GPT", "ROWS", "LAYOUTS", "Term", "TERMS", "GATHERED", "NODE", "SPLITS",
-           "measure_traffic", "layer_bytes", "bytes_table", "SavedByTerm", "LayerSaves", "measure_activations",
+           "Sent", "Traffic", "traffic_of", "step_traffic", "measure_traffic", "layer_bytes",
+           "bytes_table", "SavedByTerm", "LayerSaves", "measure_activations",
            "predicted_terms", "paper_layer_bytes", "activation_table", "Link", "NVLINK", "INFINIBAND", "H100_BF16",
            "MFU", "GPT3_LAYER", "CostRow", "tp_cost", "crossover", "cost_figure", "Split", "gather_split",
            "placement", "assemble", "split_figure", "TensorParallelView", "tp_widget", "problem_layer_bytes",
@@ -67,14 +70,70 @@ RANK_CMAPS = ("Blues", "Oranges", "Greens", "Reds")          # rank r's slice of
 # --------------------------------------------------------------------------- #
 # 1. Bytes per layer, from the Traffic log of one training step
 # --------------------------------------------------------------------------- #
+@dataclass(frozen=True)
+class Sent:
+    """One collective as tensor parallelism issued it on this rank. ``numel``: elements of the full tensor (the
+    all-reduced one, the all-gather's output, the reduce-scatter's input); ``sent``: the bytes this rank sends
+    with a bandwidth-optimal algorithm (``collectives.cost.ring_bytes_sent``)."""
+
+    op: str          # "all_reduce", "all_gather" or "reduce_scatter"
+    where: str       # the layer's label: "wte", "blocks.0", "lm_head", "loss", "sequence_parallel_grads"
+    phase: str       # "forward" or "backward"
+    numel: int
+    sent: int
+
+
+@dataclass
+class Traffic:
+    """The collectives of one tensor-parallel step, with sums by op, layer and phase."""
+
+    records: list[Sent] = field(default_factory=list)
+
+    def total(self, what: str = "numel", **match: str) -> int:
+        """Sum of ``numel`` or ``sent`` over the records whose fields equal ``match``, e.g. ``phase="forward"``."""
+        return sum(getattr(r, what) for r in self.records
+                   if all(getattr(r, k) == v for k, v in match.items()))
+
+    def __add__(self, other: Traffic) -> Traffic:
+        return Traffic(self.records + other.records)
+
+
+def traffic_of(log: CommLog) -> Traffic:
+    """The observer's records (``dtcourse.runtime.observe``) as tensor parallelism's collectives: an all-gather's
+    record holds its input, one shard, so the full tensor is t of them."""
+    out = Traffic()
+    for r in log.records:
+        op = r.collective
+        if op not in ("all_reduce", "all_gather", "reduce_scatter"):
+            raise ValueError(f"traffic_of: tensor parallelism issues no {r.op!r}; was something else observed?")
+        full = r.group_size if op == "all_gather" else 1
+        out.records.append(Sent(op, r.label, "backward" if r.backward else "forward", r.numel * full,
+                                ring_bytes_sent(op, r.nbytes * full, r.group_size)))
+    return out
+
+
+def step_traffic(tp: TensorParallel, idx: torch.Tensor, targets: torch.Tensor) -> Traffic:
+    """One forward and backward of ``tp``'s model with every collective recorded under its layer: ``"wte"``,
+    ``"blocks.i"``, ``"lm_head"``, ``"loss"``, and ``"sequence_parallel_grads"`` for SP's sum at the end of
+    backward (backward's other calls carry the label of the layer whose forward made their node)."""
+    layers = ["wte", *(f"blocks.{i}" for i in range(len(tp.model.blocks))), "lm_head"]
+    with observe() as log:
+        with labelled(tp.model, {name: name for name in layers}):
+            logits = tp.model(idx)                                                 # (B, T, V/t)
+        with label("loss"):
+            loss = vocab_parallel_lm_loss(logits, targets, tp.group)
+        with label("sequence_parallel_grads"):
+            loss.backward()
+    return traffic_of(log)
+
+
 def _traffic_rank(config: GPTConfig, rows: int) -> dict[str, Traffic]:
     idx, targets = token_batch(config, rows, seed=0)
     logs = {}
     for layout in LAYOUTS[:2]:
-        logs[layout] = Traffic()
         tp = TensorParallel(GPT(config, seed=0), None, lambda ps: torch.optim.SGD(ps, lr=0.1),
-                            sequence_parallel=layout == "TP+SP", traffic=logs[layout])
-        tp.forward_backward(idx, targets)
+                            sequence_parallel=layout == "TP+SP")
+        logs[layout] = step_traffic(tp, idx, targets)
     return logs
 
 
@@ -117,11 +176,12 @@ class SavedByTerm(torch.autograd.graph.saved_tensors_hooks):
     Lesson 00's ``SavedTensors`` with the module that saved each tensor (forward hooks keep the stack): each
     storage counts once, under the first term that saved it; parameters and buffers are left out. With
     ``keep_shards`` a sequence-parallel column layer keeps its input's shard instead of the all-gathered input,
-    and all-gathers it again when backward asks for it (Korthikanti §4.2.2), logged in ``regathered``.
+    and all-gathers it again when backward asks for it (Korthikanti §4.2.2); ``regathered`` counts the bytes
+    those all-gathers send (``collectives.cost.ring_bytes_sent``).
     """
 
     def __init__(self, block: nn.Module, keep_shards: bool = False, group: dist.ProcessGroup | None = None):
-        self.block, self.keep_shards, self.group, self.regathered = block, keep_shards, group, Traffic()
+        self.block, self.keep_shards, self.group, self.regathered = block, keep_shards, group, 0
         self._state = {p.untyped_storage().data_ptr() for p in [*block.parameters(), *block.buffers()]}
         self._kept: dict[int, tuple[str, torch.Tensor]] = {}
         self._stack, self._inputs, self._hooks = ["block"], {}, []
@@ -183,7 +243,7 @@ class SavedByTerm(torch.autograd.graph.saved_tensors_hooks):
         shard, shape, where = packed
         with torch.no_grad():
             full = gather_from_sequence_parallel(shard, self.group)            # (B, T, C), sends (t-1)/t of it
-        self.regathered.add("all_gather", where, "backward", full, dist.get_world_size(self.group))
+        self.regathered += ring_bytes_sent("all_gather", full.nbytes, dist.get_world_size(self.group))
         return full.reshape(shape)                                             # as F.linear saved it: (B·T, C)
 
 
@@ -223,7 +283,7 @@ def _activations_rank(configs: list[GPTConfig], layouts: Sequence[str], rows: in
             y.backward(torch.ones_like(y))
             grads = {"x": x.grad, **{n: p.grad for n, p in block.named_parameters()}}
             out.append(LayerSaves(t, layout, config.dropout, s, rows, h, config.n_head, saved.by_term,
-                                  saved.regathered.total("sent"), grads))
+                                  saved.regathered, grads))
     return out
 
 
@@ -480,7 +540,7 @@ def tp_widget(traffic: dict[tuple[int, str], Traffic], saves: dict[tuple[int, st
 # --------------------------------------------------------------------------- #
 # 6. Problems
 # --------------------------------------------------------------------------- #
-_COUNTED = "the Traffic log counts every collective's bytes as issued: exact"
+_COUNTED = "the observer sees every collective as issued: exact"
 
 
 def problem_layer_bytes(t: int = 4, traffic: dict[tuple[int, str], Traffic] | None = None) -> Answer:

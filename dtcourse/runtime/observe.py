@@ -16,12 +16,17 @@ calls ``ProcessGroup.allreduce``; ``isend``, ``send`` and ``batch_isend_irecv`` 
 saved under another name before the block, or one reached through ``distributed_c10d``, is seen too. A
 record's ``nbytes`` is what the call was handed (for a collective, its input tensors; for ``send`` and
 ``recv``, the message), not what crosses a wire: how many bytes an algorithm moves for it is a formula
-(``dtcourse.collectives.cost``). ``backward`` says whether autograd's backward pass made the call.
+(``dtcourse.collectives.cost``). ``backward`` says whether autograd's backward pass made the call (a node,
+or a callback it queued for its end, as DDP's last reduction).
 ``start`` is when the call was made, ``end`` when its work completed (``time.perf_counter``; ``None`` for
 work not completed by the end of the block).
 
 Labels nest (``label("blocks.0")`` inside ``label("forward")`` records ``"forward/blocks.0"``) and are
-per thread. Everything is put back when the block ends. Blocks may nest: each log sees every call.
+per thread. A call that a backward node makes (Megatron's ``f`` all-reduces in backward) carries the label under
+which the forward created that node: the label block remembers the autograd sequence numbers its forward used,
+which is how the backward of ``blocks.0`` is told from the backward of ``blocks.1`` without passing any name
+to the layers. ``labelled(model, names)`` sets a label around each named module's forward with hooks.
+Everything is put back when the block ends. Blocks may nest: each log sees every call.
 """
 
 from __future__ import annotations
@@ -35,7 +40,8 @@ from typing import Callable, Iterator
 import torch
 from torch._C._distributed_c10d import ProcessGroup
 
-__all__ = ["Record", "CommLog", "observe", "label", "COLLECTIVE_METHODS", "POINT_TO_POINT_METHODS", "patched"]
+__all__ = ["Record", "CommLog", "observe", "label", "labelled", "COLLECTIVE_METHODS", "POINT_TO_POINT_METHODS",
+           "patched"]
 
 COLLECTIVE_METHODS = ("allreduce", "allreduce_coalesced", "allgather", "allgather_coalesced", "_allgather_base",
                       "allgather_into_tensor_coalesced", "reduce_scatter", "_reduce_scatter_base",
@@ -45,6 +51,13 @@ COLLECTIVE_METHODS = ("allreduce", "allreduce_coalesced", "allgather", "allgathe
                       "all_gather_single", "all_gather_single_coalesced", "reduce_scatter_single",
                       "reduce_scatter_single_coalesced", "all_to_all_single")
 POINT_TO_POINT_METHODS = ("send", "recv")
+_FAMILY = {"allreduce": "all_reduce", "allreduce_coalesced": "all_reduce", "allgather": "all_gather",
+           "allgather_coalesced": "all_gather", "_allgather_base": "all_gather",
+           "allgather_into_tensor_coalesced": "all_gather", "all_gather_single": "all_gather",
+           "all_gather_single_coalesced": "all_gather", "reduce_scatter": "reduce_scatter",
+           "_reduce_scatter_base": "reduce_scatter", "reduce_scatter_tensor_coalesced": "reduce_scatter",
+           "reduce_scatter_single": "reduce_scatter", "reduce_scatter_single_coalesced": "reduce_scatter",
+           "alltoall": "all_to_all", "alltoall_base": "all_to_all", "all_to_all_single": "all_to_all"}
 
 
 @dataclass
@@ -62,6 +75,12 @@ class Record:
     label: str
     backward: bool
 
+    @property
+    def collective(self) -> str:
+        """The ``torch.distributed`` family of the call: ``"all_reduce"``, ``"all_gather"`` (list or single
+        tensor), ``"reduce_scatter"``, ``"all_to_all"``, ``"broadcast"``, ``"send"``, ... ."""
+        return _FAMILY.get(self.op, self.op)
+
 
 @dataclass
 class CommLog:
@@ -78,24 +97,86 @@ class CommLog:
 
 
 _LOGS: list[CommLog] = []                   # the open observe() blocks, innermost last
-_LOCAL = threading.local()                  # .labels: this thread's label stack
+_LOCAL = threading.local()                  # .labels: this thread's label stack; .spans: its labels' node ranges
+
+
+def _next_sequence_nr() -> int | None:
+    """The sequence number autograd will give the next node this thread creates (None where no node can be made)."""
+    try:
+        with torch.enable_grad():
+            return (torch.zeros((), requires_grad=True) * 1).grad_fn._sequence_nr() + 1
+    except RuntimeError:                    # inference mode
+        return None
 
 
 @contextmanager
 def label(name: str) -> Iterator[None]:
-    """Calls made inside get ``name`` as their label (joined with ``/`` to the labels around it)."""
+    """Calls made inside get ``name`` as their label (joined with ``/`` to the labels around it), and so do the
+    calls that the backward of any autograd node created inside makes. A backward node created under no label
+    takes the labels around the ``backward()`` call."""
     stack = getattr(_LOCAL, "labels", None)
     if stack is None:
         stack = _LOCAL.labels = []
+        _LOCAL.spans = []
     stack.append(name)
+    span = None
+    if _LOGS:                               # remember which nodes this label's forward creates
+        start = _next_sequence_nr()
+        if start is not None:
+            span = [start, None, "/".join(stack)]
+            _LOCAL.spans.append(span)
     try:
         yield
     finally:
+        if span is not None:
+            span[1] = _next_sequence_nr()
         stack.pop()
 
 
 def _current_label() -> str:
+    node = torch._C._current_autograd_node()
+    if node is not None:                    # a backward node: the label its forward was created under
+        seq = node._sequence_nr()
+        for start, end, name in reversed(getattr(_LOCAL, "spans", ())):   # the innermost span holding it
+            if start <= seq and (end is None or seq < end):
+                return name
     return "/".join(getattr(_LOCAL, "labels", ()))
+
+
+@contextmanager
+def labelled(model: torch.nn.Module, names: dict[str, str] | None = None) -> Iterator[None]:
+    """Inside the block, each named submodule's forward (and so its backward) runs under ``label(name)``.
+
+    ``names`` maps a submodule's qualified name (``"blocks.0"``) to its label (the name itself by default);
+    without ``names``, every direct child is labelled by its name. Hooks, removed when the block ends.
+    """
+    modules = dict(model.named_modules())
+    names = names or {name: name for name, _ in model.named_children()}
+    open_: list = []
+    hooks = []
+
+    def enter(name, *_):
+        cm = label(name)
+        cm.__enter__()
+        open_.append(cm)
+
+    def leave(*_):
+        if open_:
+            open_.pop().__exit__(None, None, None)
+
+    for qualified, name in names.items():
+        if qualified not in modules:
+            raise ValueError(f"labelled: the model has no submodule {qualified!r}; its submodules include "
+                             f"{sorted(modules)[:8]}")
+        hooks.append(modules[qualified].register_forward_pre_hook(lambda m, a, n=name: enter(n)))
+        hooks.append(modules[qualified].register_forward_hook(lambda m, a, o: leave()))
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+        while open_:                        # a forward that raised left its label open
+            open_.pop().__exit__(None, None, None)
 
 
 def _tensors(args) -> list[torch.Tensor]:
@@ -129,7 +210,7 @@ def _observed(name: str, original: Callable) -> Callable:
         peer = int(args[1]) if name in POINT_TO_POINT_METHODS and len(args) > 1 else None
         record = Record(name, self.size(), self.rank(), peer, sum(t.numel() for t in tensors),
                         sum(t.nbytes for t in tensors), time.perf_counter(), None, _current_label(),
-                        torch._C._current_autograd_node() is not None)
+                        torch._C._current_graph_task_id() >= 0)
         for log in _LOGS:
             log.records.append(record)
         work = original(self, *args, **kwargs)
@@ -175,3 +256,4 @@ def observe() -> Iterator[CommLog]:
             _LOGS.remove(log)
             if not _LOGS:
                 _PATCHES.pop().close()
+                _LOCAL.spans = [span for span in getattr(_LOCAL, "spans", ()) if span[1] is None]

@@ -2,7 +2,7 @@
 
 * ``communications.py``: Megatron's ``f`` and ``g`` (Shoeybi et al., arXiv 1909.08053) and sequence
   parallelism's all-gather / reduce-scatter pair (Korthikanti et al., arXiv 2205.05198), as autograd
-  functions taking the process group, each logging what it moved in a ``Traffic``.
+  functions taking the process group (``dtcourse.runtime.observe`` counts what they send).
 * ``layers.py``: ``ColumnParallelLinear``, ``RowParallelLinear``, ``VocabParallelEmbedding`` and
   ``vocab_parallel_cross_entropy``, each built from the full serial layer.
 * ``parallelize.py``: ``parallelize(gpt, group, sequence_parallel)`` and ``TensorParallel``, the parity
@@ -16,7 +16,7 @@ Example, on every rank under ``dtcourse.launch``::
 """
 
 from dtcourse.tensor_parallel.communications import (
-    Record, Traffic, copy_to_tensor_parallel, gather_from_sequence_parallel, reduce_from_tensor_parallel,
+    copy_to_tensor_parallel, gather_from_sequence_parallel, reduce_from_tensor_parallel,
     reduce_scatter_to_sequence_parallel)
 from dtcourse.tensor_parallel.layers import (
     ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, check_divides, check_ids, gather_shards, shard_of,
@@ -25,7 +25,7 @@ from dtcourse.tensor_parallel.parallelize import (
     PositionShard, SequenceParallelGrads, ShardedDropout, TensorParallel, all_reduce_sequence_parallel_grads,
     parallelize, sequence_parallel_parameters, tensor_parallel_group, vocab_parallel_lm_loss)
 
-__all__ = ["Record", "Traffic", "copy_to_tensor_parallel", "reduce_from_tensor_parallel",
+__all__ = ["copy_to_tensor_parallel", "reduce_from_tensor_parallel",
            "gather_from_sequence_parallel", "reduce_scatter_to_sequence_parallel"]
 __all__ += ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
             "check_divides", "check_ids", "shard_of", "gather_shards"]

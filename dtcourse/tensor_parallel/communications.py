@@ -17,16 +17,14 @@ dimension between those pairs, and replaces ``f`` and ``g`` by a conjugate pair:
   forward, all-gather backward; it replaces ``g``.
 
 An all-reduce is a reduce-scatter followed by an all-gather, so both schemes send the same bytes.
-The process group is an explicit argument of every function (``backward`` returns ``None`` for it),
-and so is a ``Traffic`` log: each collective appends what it moved, so a lesson can count bytes per
-layer. Activations are ``(B, T, C)``: the sequence dimension is 1. Example::
+The process group is an explicit argument of every function (``backward`` returns ``None`` for it).
+Nothing here logs: a lesson counts the bytes per layer with ``dtcourse.runtime.observe``, which sees every
+collective at the process group. Activations are ``(B, T, C)``: the sequence dimension is 1. Example::
 
-    traffic = Traffic(); y = reduce_from_tensor_parallel(partial, group, traffic, "blocks.0.mlp")
+    y = reduce_from_tensor_parallel(partial, group)      # (B, T, C): the sum of every rank's partial sum
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -34,58 +32,20 @@ import torch.distributed as dist
 from dtcourse.runtime.compat import all_gather_single, reduce_scatter_single
 from dtcourse.runtime.refuse import reference
 
-__all__ = ["Record", "Traffic", "copy_to_tensor_parallel", "reduce_from_tensor_parallel",
+__all__ = ["copy_to_tensor_parallel", "reduce_from_tensor_parallel",
            "gather_from_sequence_parallel", "reduce_scatter_to_sequence_parallel"]
 
 SEQ = 1   # the sequence dimension of (B, T, C) activations
 
 
-@dataclass(frozen=True)
-class Record:
-    """One collective as this rank issued it. ``numel``: elements of the full tensor (the all-reduced one,
-    the all-gather's output, the reduce-scatter's input); ``sent``: bytes this rank sends with a
-    bandwidth-optimal algorithm (2(t-1)/t of the full tensor's bytes for an all-reduce, (t-1)/t for the others)."""
-
-    op: str          # "all_reduce", "all_gather" or "reduce_scatter"
-    where: str       # the layer, e.g. "blocks.0.attn"
-    phase: str       # "forward" or "backward"
-    numel: int
-    sent: int
-
-
-@dataclass
-class Traffic:
-    """A log of the collectives tensor parallelism ran, with sums by op, layer and phase."""
-
-    records: list[Record] = field(default_factory=list)
-
-    def add(self, op: str, where: str, phase: str, full: torch.Tensor, t: int) -> None:
-        share = 2 * (t - 1) if op == "all_reduce" else t - 1
-        self.records.append(Record(op, where, phase, full.numel(), full.nbytes * share // t))
-
-    def total(self, what: str = "numel", **match: str) -> int:
-        """Sum of ``numel`` or ``sent`` over the records whose fields equal ``match``, e.g. ``phase="forward"``."""
-        return sum(getattr(r, what) for r in self.records
-                   if all(getattr(r, k) == v for k, v in match.items()))
-
-    def clear(self) -> None:
-        self.records.clear()
-
-
-def _log(traffic: Traffic | None, op: str, where: str, phase: str, full: torch.Tensor, group) -> None:
-    if traffic is not None:
-        traffic.add(op, where, phase, full, dist.get_world_size(group))
-
-
-def _all_reduce(x: torch.Tensor, group, traffic, where: str, phase: str) -> torch.Tensor:
+def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     x = x.contiguous().clone()
     if dist.get_world_size(group) > 1:
         dist.all_reduce(x, group=group)               # sends 2(t-1)/t * x.nbytes per rank
-    _log(traffic, "all_reduce", where, phase, x, group)
     return x
 
 
-def _all_gather_seq(x: torch.Tensor, group, traffic, where: str, phase: str) -> torch.Tensor:
+def _all_gather_seq(x: torch.Tensor, group) -> torch.Tensor:
     t = dist.get_world_size(group)
     part = x.transpose(0, SEQ).contiguous()           # (T/t, B, C): the sequence first, so parts are contiguous
     full = part.new_empty((t * part.shape[0], *part.shape[1:]))   # (T, B, C)
@@ -93,11 +53,10 @@ def _all_gather_seq(x: torch.Tensor, group, traffic, where: str, phase: str) -> 
         all_gather_single(full, part, group=group)    # sends (t-1)/t * full.nbytes per rank
     else:
         full.copy_(part)
-    _log(traffic, "all_gather", where, phase, full, group)
     return full.transpose(0, SEQ)                     # (B, T, C)
 
 
-def _reduce_scatter_seq(x: torch.Tensor, group, traffic, where: str, phase: str) -> torch.Tensor:
+def _reduce_scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
     t = dist.get_world_size(group)
     if x.shape[SEQ] % t:
         raise ValueError(f"sequence parallelism splits the sequence of length {x.shape[SEQ]} over {t} ranks; "
@@ -108,7 +67,6 @@ def _reduce_scatter_seq(x: torch.Tensor, group, traffic, where: str, phase: str)
         reduce_scatter_single(part, full, group=group)   # sends (t-1)/t * full.nbytes per rank
     else:
         part.copy_(full)
-    _log(traffic, "reduce_scatter", where, phase, full, group)
     return part.transpose(0, SEQ)                     # (B, T/t, C)
 
 
@@ -116,74 +74,70 @@ class _CopyToTensorParallel(torch.autograd.Function):
     """Megatron's f: identity forward, all-reduce of the input's gradient backward."""
 
     @staticmethod
-    def forward(ctx, x, group, traffic, where):
-        ctx.group, ctx.traffic, ctx.where = group, traffic, where
+    def forward(ctx, x, group):
+        ctx.group = group
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group, ctx.traffic, ctx.where, "backward"), None, None, None
+        return _all_reduce(grad, ctx.group), None
 
 
 class _ReduceFromTensorParallel(torch.autograd.Function):
     """Megatron's g: all-reduce of the partial sums forward, identity backward."""
 
     @staticmethod
-    def forward(ctx, x, group, traffic, where):
-        return _all_reduce(x, group, traffic, where, "forward")
+    def forward(ctx, x, group):
+        return _all_reduce(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None, None, None
+        return grad, None
 
 
 class _GatherFromSequenceParallel(torch.autograd.Function):
     """Sequence parallelism's g-bar: all-gather along the sequence forward, reduce-scatter backward."""
 
     @staticmethod
-    def forward(ctx, x, group, traffic, where):
-        ctx.group, ctx.traffic, ctx.where = group, traffic, where
-        return _all_gather_seq(x, group, traffic, where, "forward")
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather_seq(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter_seq(grad, ctx.group, ctx.traffic, ctx.where, "backward"), None, None, None
+        return _reduce_scatter_seq(grad, ctx.group), None
 
 
 class _ReduceScatterToSequenceParallel(torch.autograd.Function):
     """Sequence parallelism's g: reduce-scatter along the sequence forward, all-gather backward."""
 
     @staticmethod
-    def forward(ctx, x, group, traffic, where):
-        ctx.group, ctx.traffic, ctx.where = group, traffic, where
-        return _reduce_scatter_seq(x, group, traffic, where, "forward")
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter_seq(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather_seq(grad, ctx.group, ctx.traffic, ctx.where, "backward"), None, None, None
+        return _all_gather_seq(grad, ctx.group), None
 
 
 @reference("tensor_parallel", "09")   # exercise 09 writes f and g: refused while its checks run
-def copy_to_tensor_parallel(x: torch.Tensor, group: dist.ProcessGroup | None,
-                            traffic: Traffic | None = None, where: str = "") -> torch.Tensor:
+def copy_to_tensor_parallel(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Megatron's f (before a column-parallel layer)."""
-    return _CopyToTensorParallel.apply(x, group, traffic, where)
+    return _CopyToTensorParallel.apply(x, group)
 
 
 @reference("tensor_parallel", "09")   # exercise 09 writes f and g: refused while its checks run
-def reduce_from_tensor_parallel(x: torch.Tensor, group: dist.ProcessGroup | None,
-                                traffic: Traffic | None = None, where: str = "") -> torch.Tensor:
+def reduce_from_tensor_parallel(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Megatron's g (after a row-parallel layer)."""
-    return _ReduceFromTensorParallel.apply(x, group, traffic, where)
+    return _ReduceFromTensorParallel.apply(x, group)
 
 
-def gather_from_sequence_parallel(x: torch.Tensor, group: dist.ProcessGroup | None,
-                                  traffic: Traffic | None = None, where: str = "") -> torch.Tensor:
+def gather_from_sequence_parallel(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """(B, T/t, C) -> (B, T, C): sequence parallelism's g-bar (before a column-parallel layer)."""
-    return _GatherFromSequenceParallel.apply(x, group, traffic, where)
+    return _GatherFromSequenceParallel.apply(x, group)
 
 
-def reduce_scatter_to_sequence_parallel(x: torch.Tensor, group: dist.ProcessGroup | None,
-                                        traffic: Traffic | None = None, where: str = "") -> torch.Tensor:
+def reduce_scatter_to_sequence_parallel(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """(B, T, C) partial sums -> (B, T/t, C) summed: sequence parallelism's g (after a row-parallel layer)."""
-    return _ReduceScatterToSequenceParallel.apply(x, group, traffic, where)
+    return _ReduceScatterToSequenceParallel.apply(x, group)

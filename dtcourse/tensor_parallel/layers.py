@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from dtcourse.runtime.refuse import reference
 from dtcourse.tensor_parallel.communications import (
-    Traffic, copy_to_tensor_parallel, gather_from_sequence_parallel, reduce_from_tensor_parallel,
+    copy_to_tensor_parallel, gather_from_sequence_parallel, reduce_from_tensor_parallel,
     reduce_scatter_to_sequence_parallel)
 
 __all__ = ["check_divides", "check_ids", "shard_of", "gather_shards", "ColumnParallelLinear", "RowParallelLinear",
@@ -78,20 +78,20 @@ class ColumnParallelLinear(nn.Module):
     """
 
     def __init__(self, full: nn.Linear, group: dist.ProcessGroup | None, *, parts: int = 1,
-                 sequence_parallel: bool = False, traffic: Traffic | None = None, where: str = ""):
+                 sequence_parallel: bool = False):
         super().__init__()
         t, rank = dist.get_world_size(group), dist.get_rank(group)
         check_divides(t, full.out_features // parts, "hidden size")   # each of the parts is split t ways
-        self.group, self.sequence_parallel, self.traffic, self.where = group, sequence_parallel, traffic, where
+        self.group, self.sequence_parallel = group, sequence_parallel
         self.in_features, self.out_features = full.in_features, full.out_features // t
         self.weight = _split_parameter(full.weight, 0, rank, t, parts)                       # (out/t, in)
         self.bias = None if full.bias is None else _split_parameter(full.bias, 0, rank, t, parts)  # (out/t,)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
-            x = gather_from_sequence_parallel(x, self.group, self.traffic, self.where)   # (B, T/t, C) -> (B, T, C)
+            x = gather_from_sequence_parallel(x, self.group)   # (B, T/t, C) -> (B, T, C)
         else:
-            x = copy_to_tensor_parallel(x, self.group, self.traffic, self.where)
+            x = copy_to_tensor_parallel(x, self.group)
         return F.linear(x, self.weight, self.bias)                # (B, T, out/t)
 
 
@@ -103,12 +103,11 @@ class RowParallelLinear(nn.Module):
     reduce-scatter to sequence shards (all-gather backward). The bias is added once, after the sum.
     """
 
-    def __init__(self, full: nn.Linear, group: dist.ProcessGroup | None, *, sequence_parallel: bool = False,
-                 traffic: Traffic | None = None, where: str = ""):
+    def __init__(self, full: nn.Linear, group: dist.ProcessGroup | None, *, sequence_parallel: bool = False):
         super().__init__()
         t, rank = dist.get_world_size(group), dist.get_rank(group)
         check_divides(t, full.in_features, "hidden size")
-        self.group, self.sequence_parallel, self.traffic, self.where = group, sequence_parallel, traffic, where
+        self.group, self.sequence_parallel = group, sequence_parallel
         self.in_features, self.out_features = full.in_features // t, full.out_features
         self.weight = _split_parameter(full.weight, 1, rank, t)                 # (out, in/t)
         self.bias = None if full.bias is None else _replicated(full.bias, sequence_parallel)   # (out,)
@@ -116,9 +115,9 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)                              # (B, T, out): a partial sum
         if self.sequence_parallel:
-            y = reduce_scatter_to_sequence_parallel(y, self.group, self.traffic, self.where)   # (B, T/t, out)
+            y = reduce_scatter_to_sequence_parallel(y, self.group)   # (B, T/t, out)
         else:
-            y = reduce_from_tensor_parallel(y, self.group, self.traffic, self.where)           # (B, T, out)
+            y = reduce_from_tensor_parallel(y, self.group)           # (B, T, out)
         return y if self.bias is None else y + self.bias
 
 
@@ -127,12 +126,11 @@ class VocabParallelEmbedding(nn.Module):
     ranks (``g``, or a reduce-scatter to sequence shards under sequence parallelism) is the full lookup.
     An id outside ``[0, V)`` raises an IndexError, as ``nn.Embedding`` does."""
 
-    def __init__(self, full: nn.Embedding, group: dist.ProcessGroup | None, *, sequence_parallel: bool = False,
-                 traffic: Traffic | None = None, where: str = ""):
+    def __init__(self, full: nn.Embedding, group: dist.ProcessGroup | None, *, sequence_parallel: bool = False):
         super().__init__()
         t, rank = dist.get_world_size(group), dist.get_rank(group)
         check_divides(t, full.num_embeddings, "vocabulary size")
-        self.group, self.sequence_parallel, self.traffic, self.where = group, sequence_parallel, traffic, where
+        self.group, self.sequence_parallel = group, sequence_parallel
         per_rank = full.num_embeddings // t
         self.num_embeddings = full.num_embeddings
         self.vocab_start, self.vocab_end = rank * per_rank, (rank + 1) * per_rank
@@ -146,8 +144,8 @@ class VocabParallelEmbedding(nn.Module):
         local = (idx - self.vocab_start).masked_fill(outside, 0)                 # (B, T), in [0, V/t)
         x = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)   # (B, T, C), zero outside
         if self.sequence_parallel:
-            return reduce_scatter_to_sequence_parallel(x, self.group, self.traffic, self.where)   # (B, T/t, C)
-        return reduce_from_tensor_parallel(x, self.group, self.traffic, self.where)               # (B, T, C)
+            return reduce_scatter_to_sequence_parallel(x, self.group)   # (B, T/t, C)
+        return reduce_from_tensor_parallel(x, self.group)               # (B, T, C)
 
 
 class _AllReduceMax(torch.autograd.Function):
@@ -155,16 +153,14 @@ class _AllReduceMax(torch.autograd.Function):
     not depend on it: it is subtracted from every logit and added back)."""
 
     @staticmethod
-    def forward(ctx, x, group, traffic, where):
+    def forward(ctx, x, group):
         x = x.contiguous().clone()
         dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)      # sends 2(t-1)/t * x.nbytes per rank
-        if traffic is not None:
-            traffic.add("all_reduce", where, "forward", x, dist.get_world_size(group))
         return x
 
     @staticmethod
     def backward(ctx, grad):
-        return None, None, None, None
+        return None, None
 
 
 def check_ids(ids: torch.Tensor, V: int, what: str, where: str, ignore_index: int | None = None) -> None:
@@ -181,8 +177,7 @@ def check_ids(ids: torch.Tensor, V: int, what: str, where: str, ignore_index: in
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int,
-                                 group: dist.ProcessGroup | None, traffic: Traffic | None = None,
-                                 where: str = "loss", ignore_index: int = -100) -> torch.Tensor:
+                                 group: dist.ProcessGroup | None, ignore_index: int = -100) -> torch.Tensor:
     """Per-token cross-entropy from this rank's logits ``(..., V/t)`` over ids ``[vocab_start, vocab_start + V/t)``.
 
     Three all-reduces of one number per token (Shoeybi et al., section 3): the max (for stability), the sum
@@ -194,11 +189,11 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vo
     V_t = logits.shape[-1]
     check_ids(targets, V_t * dist.get_world_size(group), "target", "the loss", ignore_index)
     ignored = targets == ignore_index                                                # (...,)
-    m = _AllReduceMax.apply(logits.detach().amax(dim=-1), group, traffic, where)       # (...,)
+    m = _AllReduceMax.apply(logits.detach().amax(dim=-1), group)       # (...,)
     shifted = logits - m.unsqueeze(-1)                                                # (..., V/t)
-    sum_exp = reduce_from_tensor_parallel(shifted.exp().sum(dim=-1), group, traffic, where)   # (...,)
+    sum_exp = reduce_from_tensor_parallel(shifted.exp().sum(dim=-1), group)   # (...,)
     outside = (targets < vocab_start) | (targets >= vocab_start + V_t)                # (...,): ignored ones too
     local = (targets - vocab_start).masked_fill(outside, 0)
     mine = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)   # (...,)
-    target_logit = reduce_from_tensor_parallel(mine, group, traffic, where)           # (...,)
+    target_logit = reduce_from_tensor_parallel(mine, group)           # (...,)
     return (sum_exp.log() - target_logit).masked_fill(ignored, 0.0)                   # (...,): 0 where ignored

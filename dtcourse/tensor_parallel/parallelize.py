@@ -44,7 +44,6 @@ import torch.nn.functional as F
 
 from dtcourse.mesh import Mesh
 from dtcourse.models import GPT, lm_loss
-from dtcourse.tensor_parallel.communications import Traffic
 from dtcourse.tensor_parallel.layers import (
     ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, _replicated, check_divides, gather_shards,
     vocab_parallel_cross_entropy)
@@ -115,43 +114,43 @@ def tensor_parallel_group(group: dist.ProcessGroup | None = None, mesh: Mesh | N
 
 
 def parallelize(gpt: GPT, group: dist.ProcessGroup | None = None, sequence_parallel: bool = False,
-                traffic: Traffic | None = None, mesh: Mesh | None = None) -> GPT:
+                mesh: Mesh | None = None) -> GPT:
     """Replace ``gpt``'s layers by their tensor-parallel shards (in place; returns ``gpt``).
 
     Every rank of ``group`` (or of ``mesh``'s tp group) must call it on the same full model (built from one
-    seed). ``traffic`` logs each collective under its layer: ``"wte"``, ``"blocks.i"``, ``"lm_head"``, ``"loss"``.
+    seed).
     """
     group = tensor_parallel_group(group, mesh)
     cfg, t = gpt.config, dist.get_world_size(group)
     check_divides(t, cfg.n_head, "number of heads")
     check_divides(t, 4 * cfg.d_model, "hidden size")
     check_divides(t, cfg.vocab_size, "vocabulary size")
-    sp = dict(sequence_parallel=sequence_parallel, traffic=traffic)
+    sp = dict(sequence_parallel=sequence_parallel)
     # 1. embeddings
-    gpt.wte = VocabParallelEmbedding(gpt.wte, group, where="wte", **sp)
+    gpt.wte = VocabParallelEmbedding(gpt.wte, group, **sp)
     if sequence_parallel:
         gpt.wpe = PositionShard(gpt.wpe, group)
         _shard_dropout(gpt, "drop", 1, group)                # (B, T/t, C): this rank's positions
     # 2. blocks: heads split, MLP column then row
     for i, block in enumerate(gpt.blocks):
-        attn, mlp, where = block.attn, block.mlp, f"blocks.{i}"
-        attn.c_attn = ColumnParallelLinear(attn.c_attn, group, parts=3, where=where, **sp)   # q, k, v by heads
-        attn.c_proj = RowParallelLinear(attn.c_proj, group, where=where, **sp)
+        attn, mlp = block.attn, block.mlp
+        attn.c_attn = ColumnParallelLinear(attn.c_attn, group, parts=3, **sp)   # q, k, v by heads
+        attn.c_proj = RowParallelLinear(attn.c_proj, group, **sp)
         attn.n_head = cfg.n_head // t                      # core() sees this rank's heads only
         _shard_dropout(attn, "attn_drop", 1, group)         # (B, nh/t, T, T): this rank's heads
         if sequence_parallel:                               # the residual stream's dropouts: (B, T/t, C)
             _shard_dropout(attn, "resid_drop", 1, group)
             _shard_dropout(mlp, "drop", 1, group)
-        mlp.c_fc = ColumnParallelLinear(mlp.c_fc, group, where=where, **sp)
-        mlp.c_proj = RowParallelLinear(mlp.c_proj, group, where=where, **sp)
+        mlp.c_fc = ColumnParallelLinear(mlp.c_fc, group, **sp)
+        mlp.c_proj = RowParallelLinear(mlp.c_proj, group, **sp)
         for ln in (block.ln_1, block.ln_2):
             _mark_sequence_parallel(ln, sequence_parallel)
     # 3. the head, split along the vocabulary
     _mark_sequence_parallel(gpt.ln_f, sequence_parallel)
-    gpt.lm_head = ColumnParallelLinear(gpt.lm_head, group, where="lm_head", **sp)
+    gpt.lm_head = ColumnParallelLinear(gpt.lm_head, group, **sp)
     # 4. under SP: the replicated parameters' partial gradients summed at the end of every backward
     if sequence_parallel:
-        gpt.sequence_parallel_grads = SequenceParallelGrads(gpt, group, traffic)
+        gpt.sequence_parallel_grads = SequenceParallelGrads(gpt, group)
     return gpt
 
 
@@ -161,11 +160,11 @@ def _mark_sequence_parallel(module: nn.Module, sequence_parallel: bool) -> None:
 
 
 def vocab_parallel_lm_loss(logits: torch.Tensor, targets: torch.Tensor, group: dist.ProcessGroup | None,
-                           traffic: Traffic | None = None, ignore_index: int = -100) -> torch.Tensor:
+                           ignore_index: int = -100) -> torch.Tensor:
     """``lm_loss`` from this rank's logits (B, T, V/t): ``vocab_parallel_cross_entropy`` averaged over the
     targets that are not ``ignore_index``, as ``F.cross_entropy`` averages (NaN when every target is ignored)."""
     vocab_start = dist.get_rank(group) * logits.shape[-1]
-    losses = vocab_parallel_cross_entropy(logits, targets, vocab_start, group, traffic, ignore_index=ignore_index)
+    losses = vocab_parallel_cross_entropy(logits, targets, vocab_start, group, ignore_index=ignore_index)
     return losses.sum() / (targets != ignore_index).sum().to(losses.dtype)
 
 
@@ -174,17 +173,14 @@ def sequence_parallel_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if getattr(p, "sequence_parallel", False)]
 
 
-def _sum_over_group(grads: list[torch.Tensor], group: dist.ProcessGroup | None, traffic: Traffic | None) -> list[torch.Tensor]:
+def _sum_over_group(grads: list[torch.Tensor], group: dist.ProcessGroup | None) -> list[torch.Tensor]:
     """One all-reduce of the flattened ``grads``; the sums, shaped as ``grads``."""
     flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat, group=group)                  # sends 2(t-1)/t * flat.nbytes per rank
-    if traffic is not None:
-        traffic.add("all_reduce", "sequence_parallel_grads", "backward", flat, dist.get_world_size(group))
     return [summed.view_as(g) for g, summed in zip(grads, flat.split([g.numel() for g in grads]))]
 
 
-def all_reduce_sequence_parallel_grads(model: nn.Module, group: dist.ProcessGroup | None,
-                                       traffic: Traffic | None = None) -> None:
+def all_reduce_sequence_parallel_grads(model: nn.Module, group: dist.ProcessGroup | None) -> None:
     """Sum, over the group, the gradients of the replicated parameters that saw only a sequence shard.
 
     Megatron's ``allreduce_layernorm_grads``, for layers assembled by hand: forgetting it leaves each rank
@@ -198,7 +194,7 @@ def all_reduce_sequence_parallel_grads(model: nn.Module, group: dist.ProcessGrou
                          "all_reduce_sequence_parallel_grads again would add every rank's sum t times. Drop the call.")
     grads = [p.grad for p in sequence_parallel_parameters(model) if p.grad is not None]
     if grads:
-        for g, summed in zip(grads, _sum_over_group(grads, group, traffic)):
+        for g, summed in zip(grads, _sum_over_group(grads, group)):
             g.copy_(summed)
 
 
@@ -213,8 +209,8 @@ class SequenceParallelGrads:
     backward; Megatron instead sums once per step, after the last micro-batch).
     """
 
-    def __init__(self, model: nn.Module, group: dist.ProcessGroup | None, traffic: Traffic | None = None):
-        self.group, self.traffic = group, traffic
+    def __init__(self, model: nn.Module, group: dist.ProcessGroup | None):
+        self.group = group
         self.params = sequence_parallel_parameters(model)
         self.pending: dict[int, torch.Tensor] = {}           # index in params -> this backward's partial gradient
         for i, p in enumerate(self.params):
@@ -229,7 +225,7 @@ class SequenceParallelGrads:
     def _sum(self) -> None:
         # every rank runs the same graph, so every rank keeps the same parameters' gradients: one all-reduce
         mine = [self.pending.get(i, torch.zeros_like(p)) for i, p in enumerate(self.params)]
-        for i, summed in enumerate(_sum_over_group(mine, self.group, self.traffic)):
+        for i, summed in enumerate(_sum_over_group(mine, self.group)):
             if i in self.pending:
                 self.params[i].grad.add_(summed)
         self.pending.clear()
@@ -245,22 +241,21 @@ class TensorParallel:
     """``dtcourse.parity.Parallel`` for ``parallelize``: every rank trains on the whole batch.
 
     ``forward_backward`` replaces ``lm_loss`` by ``vocab_parallel_lm_loss``; it returns the full logits,
-    gathered (detached) only so the parity harness can compare them. ``traffic`` logs every collective.
+    gathered (detached) only so the parity harness can compare them.
     """
 
     def __init__(self, model: GPT, group: dist.ProcessGroup | None,
                  optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
-                 sequence_parallel: bool = False, traffic: Traffic | None = None, mesh: Mesh | None = None):
+                 sequence_parallel: bool = False, mesh: Mesh | None = None):
         self.group = tensor_parallel_group(group, mesh)
-        self.traffic = Traffic() if traffic is None else traffic
-        self.model = parallelize(model, self.group, sequence_parallel, self.traffic)
+        self.model = parallelize(model, self.group, sequence_parallel)
         self.optimizer = optimizer(self.model.parameters())   # this rank's shards: AdamW is elementwise
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor, loss_fn=lm_loss) -> torch.Tensor:
         if loss_fn is not lm_loss:
             raise ValueError("TensorParallel trains with lm_loss (computed vocab-parallel); got another loss_fn.")
         logits = self.model(x)                                                  # (B, T, V/t)
-        vocab_parallel_lm_loss(logits, y, self.group, self.traffic).backward()   # under SP, sums its partial grads
+        vocab_parallel_lm_loss(logits, y, self.group).backward()   # under SP, sums its partial grads
         return gather_shards(logits.detach(), logits.dim() - 1, 1, self.group)  # (B, T, V), for the check only
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
