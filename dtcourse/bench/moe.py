@@ -19,7 +19,7 @@ Variants (each rank routes its own tokens, one GShard group):
   keeps E experts' weights and optimizer states.
 
 Both run each token through its k experts, so the FLOPs are the same: the table shows what the exchange
-costs. "a2a KiB" is what one rank sent in one step's all-to-alls (``AllToAllLog``), beside the formula for
+costs. "a2a KiB" is what one rank sent in one more step's all-to-alls (observed, untimed), beside the formula for
 the padded mode: 4 exchanges per MoE layer (dispatch and combine, forward and backward) of (N-1)/N x E x C
 rows of d_model float32s, plus one exchange per layer of (N-1)/N x E int64 counts of filled slots (so that an
 expert no token reached does not run). "all-reduce KiB" is the formula 2(N-1)/N x bytes of the all-reduced gradients.
@@ -38,7 +38,9 @@ import torch.distributed as dist
 from dtcourse.bench import bars, finish, paired, ratio_cell, step_times, text_table, times_cell, turns, world_panels
 from dtcourse.models import GPT, GPTConfig, lm_loss, token_batch
 from dtcourse.models.moe import capacity
-from dtcourse.moe import AllToAllLog, ExpertParallel
+from dtcourse.lab.moe import exchanges_of
+from dtcourse.moe import ExpertParallel
+from dtcourse.runtime.observe import observe
 from dtcourse.runtime.launch import launch
 
 MOE_GPT = GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, d_model=64, n_expert=8, top_k=2)
@@ -53,14 +55,18 @@ def _config(variant: str, config: GPTConfig) -> GPTConfig:
 
 
 def _expert_parallel(model: GPT):
-    log = AllToAllLog()
-    ep = ExpertParallel(model, None, adamw, log=log)
+    ep = ExpertParallel(model, None, adamw)
 
     def step(idx, targets):
         ep.zero_grad()
         ep.forward_backward(idx, targets, lm_loss)
         ep.step()
-    return step, log
+
+    def sent(idx, targets) -> int:
+        with observe() as log:                          # one more step, untimed, its exchanges recorded
+            step(idx, targets)
+        return exchanges_of(log).total("sent")
+    return step, sent
 
 
 def _all_experts(model: GPT):
@@ -85,24 +91,20 @@ def _time_rank(variants: list[str], config: GPTConfig, batch_size: int, seq_len:
             for v in variants}
     idx, targets = token_batch(config, batch_size, seq_len, seed=dist.get_rank())   # this rank's data
     times: dict[str, list[float]] = {v: [] for v in variants}
-    sent: dict[str, int | None] = {v: None for v in variants}
     for i in range(warmup + steps):
         order = turns(variants, i)                          # who goes first rotates
         elapsed = torch.zeros(len(variants), dtype=torch.float64)
         for v in order:
-            step, log = runs[v]
-            if log is not None:
-                log.clear()                                    # this step's all-to-alls alone
+            step, _ = runs[v]
             dist.barrier()
             start = time.perf_counter()
             step(idx, targets)
             elapsed[variants.index(v)] = time.perf_counter() - start
-            if log is not None:
-                sent[v] = log.total("sent")
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)         # a step ends when the slowest rank's does
         if i >= warmup:
             for v, t in zip(variants, elapsed.tolist()):
                 times[v].append(t)
+    sent = {v: None if runs[v][1] is None else runs[v][1](idx, targets) for v in variants}
     return {v: {"times": times[v], "sent": sent[v]} for v in variants}
 
 

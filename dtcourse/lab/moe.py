@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Sequence
 
 import torch
@@ -25,18 +25,20 @@ from dtcourse.lab.problems import Answer
 from dtcourse.lab.widgets import COLUMN_IN, FigureView, figure_widget
 from dtcourse.models import GPT, GPTConfig, MoE, lm_loss, token_batch
 from dtcourse.models.moe import capacity, load_balancing_loss, route, z_loss
-from dtcourse.moe import AllToAllLog, ExpertParallel, expert_parallelize
+from dtcourse.moe import ExpertParallel, expert_parallelize
 from dtcourse.moe.cost import (balanced_drop, flops_per_token, padded_all_to_all_bytes, parameters,
                                uniform_all_to_all_bytes)
 from dtcourse.parity import ParityReport, Tolerance, check_parity
 from dtcourse.runtime.launch import launch
+from dtcourse.runtime.observe import CommLog, labelled, observe
 
 if TYPE_CHECKING:
     import ipywidgets
 
 __all__ = ["LAB_GPT", "EP_GPT", "COMPUTE_GPT", "ROWS", "EP_ROWS", "CFS", "SWEEP_SEEDS", "Training", "train",
            "balance_table", "training_figure", "router_logits", "drop_sweep", "balanced_drop", "drop_figure",
-           "measure_bytes", "parameters", "flops_per_token", "compute_table", "routers", "RoutingView", "routing_widget", "parity",
+           "Exchange", "AllToAllLog", "exchanges_of", "layer_labels", "measure_bytes", "parameters",
+           "flops_per_token", "compute_table", "routers", "RoutingView", "routing_widget", "parity",
            "problem_capacity", "problem_uniform_loss", "problem_skewed_drops", "problem_all_to_all_bytes",
            "problem_parameters"]
 
@@ -163,13 +165,62 @@ def drop_figure(sweeps: dict[str, dict[tuple[int, float], float]]):
 
 
 # ---- All-to-all bytes on real ranks ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Exchange:
+    """One all-to-all as this rank ran it: rows and bytes sent to other ranks and received from them."""
+
+    where: str       # the layer's label, e.g. "blocks.0"
+    what: str        # "dispatch", "combine" or "counts"
+    phase: str       # "forward" or "backward"
+    sent: int        # bytes this rank sent to the other ranks (its own share stays put)
+    received: int    # bytes it received from them
+    rows: int        # rows it sent in all, its own share included
+
+
+@dataclass
+class AllToAllLog:
+    """The all-to-alls of expert parallelism, with sums by field (``total("sent", phase="forward")``)."""
+
+    records: list[Exchange] = field(default_factory=list)
+
+    def total(self, key: str = "sent", **match: str) -> int:
+        """Sum of ``key`` ("sent", "received" or "rows") over the records whose fields equal ``match``."""
+        return sum(getattr(r, key) for r in self.records if all(getattr(r, k) == v for k, v in match.items()))
+
+
+def exchanges_of(log: CommLog) -> AllToAllLog:
+    """The observer's all-to-alls (``dtcourse.runtime.observe``), named. Integer ones exchange counts
+    (``exchange_counts``). Of a layer's others, its forward runs dispatch, then combine; its backward runs them
+    in reverse: combine's backward first, then dispatch's. Other collectives (data parallelism's) are skipped."""
+    out, seen = AllToAllLog(), {}
+    for r in log.records:
+        if r.collective != "all_to_all":
+            continue
+        phase = "backward" if r.backward else "forward"
+        if r.dtype is not None and not r.dtype.is_floating_point:
+            what = "counts"
+        else:
+            n = seen[r.label, phase] = seen.get((r.label, phase), -1) + 1
+            what = ("dispatch", "combine")[n % 2] if phase == "forward" else ("combine", "dispatch")[n % 2]
+        me = r.group_rank
+        out.records.append(Exchange(r.label, what, phase, sum(r.sent_to) - r.sent_to[me],
+                                    sum(r.received_from) - r.received_from[me], r.shape[0]))
+    return out
+
+
+def layer_labels(model: GPT) -> dict[str, str]:
+    """Each MoE layer labelled by its block: ``{"blocks.0.mlp": "blocks.0", ...}``, for ``observe.labelled``."""
+    return {f"blocks.{i}.mlp": f"blocks.{i}" for i in range(len(model.blocks))}
+
+
 def _bytes_rank(config: GPTConfig, rows: int) -> dict[str, dict]:
     out = {}
     for mode, cf in (("padded", config.capacity_factor), ("dropless", None)):
-        log = AllToAllLog()
-        model = expert_parallelize(GPT(replace(config, capacity_factor=cf), seed=0), None, log)
+        model = expert_parallelize(GPT(replace(config, capacity_factor=cf), seed=0), None)
         idx, targets = token_batch(config, rows, seed=dist.get_rank())
-        lm_loss(model(idx), targets).backward()       # one training step's four exchanges per MoE layer
+        with observe() as seen, labelled(model, layer_labels(model)):
+            lm_loss(model(idx), targets).backward()   # one training step's four exchanges per MoE layer
+        log = exchanges_of(seen)
         sent = {ph: log.total(phase=ph) - log.total(phase=ph, what="counts") for ph in ("forward", "backward")}
         out[mode] = {**sent, "counts": log.total("sent", what="counts"),    # dropless sends the counts first
                      "tokens": torch.stack([b.mlp.stats["tokens_per_expert"] for b in model.blocks])}   # (layers, E)
@@ -338,11 +389,11 @@ def problem_skewed_drops(counts: Sequence[int] = (32, 16, 8, 8), cf: float = 1.0
 
 
 def problem_all_to_all_bytes(table: list[tuple] | None = None, ep: int = 4) -> Answer:
-    """Bytes rank 0 sends in one step's all-to-alls, padded, on ``ep`` real ranks (``AllToAllLog``), ``EP_GPT``."""
+    """Bytes rank 0 sends in one step's all-to-alls, padded, on ``ep`` real ranks (observed), ``EP_GPT``."""
     forward, backward = next(row[3:5] for row in table or measure_bytes((ep,)) if row[:3] == (ep, "padded", 0))
     c, C = EP_GPT, capacity(EP_ROWS * EP_GPT.block_size, EP_GPT.n_expert, EP_GPT.top_k, EP_GPT.capacity_factor)
     return Answer(forward + backward, c.n_layer * 4 * (ep - 1) / ep * c.n_expert * C * c.d_model * 4, "B", 0.0,
-                  "counted by the log: exact")
+                  "counted by the observer: exact")
 
 
 def problem_parameters(config: GPTConfig = LAB_GPT) -> Answer:

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from dtcourse.models.moe import Routing
-from dtcourse.moe.communication import AllToAllLog, all_to_all, exchange_counts
+from dtcourse.moe.communication import all_to_all, exchange_counts
 from dtcourse.runtime.refuse import reference
 
 __all__ = ["Plan", "dispatch_padded", "combine_padded", "dispatch_dropless", "combine_dropless"]
@@ -40,8 +40,7 @@ class Plan:
 
 
 @reference("moe", "11")     # exercise 11 writes this: refused while its checks run
-def dispatch_padded(tokens: torch.Tensor, routing: Routing, n_expert: int, group: dist.ProcessGroup | None,
-                    log: AllToAllLog | None = None, where: str = "") -> tuple[torch.Tensor, Plan]:
+def dispatch_padded(tokens: torch.Tensor, routing: Routing, n_expert: int, group: dist.ProcessGroup | None) -> tuple[torch.Tensor, Plan]:
     """Tokens (N, C) into E x C slots, then all-to-all: (ep x E/ep x C, C) rows for this rank's experts."""
     ep, (N, C), cap = dist.get_world_size(group), tokens.shape, routing.capacity
     local = n_expert // ep
@@ -51,22 +50,21 @@ def dispatch_padded(tokens: torch.Tensor, routing: Routing, n_expert: int, group
     buffer = tokens.new_zeros(n_expert * cap, C).index_copy(
         0, slot.t().reshape(-1)[kept], tokens[token[kept]])                  # (E C, C): zeros where empty
     splits = [local * cap] * ep
-    received = all_to_all(buffer, splits, splits, group, log, where, "dispatch")   # (ep E/ep C, C)
+    received = all_to_all(buffer, splits, splits, group)   # (ep E/ep C, C)
     rows = torch.arange(ep * local * cap).view(ep, local, cap)               # [source][local expert][slot]
     return received, Plan(splits, splits, [rows[:, e].reshape(-1) for e in range(local)], slot)
 
 
-def dispatch_dropless(tokens: torch.Tensor, routing: Routing, n_expert: int, group: dist.ProcessGroup | None,
-                      log: AllToAllLog | None = None, where: str = "") -> tuple[torch.Tensor, Plan]:
+def dispatch_dropless(tokens: torch.Tensor, routing: Routing, n_expert: int, group: dist.ProcessGroup | None) -> tuple[torch.Tensor, Plan]:
     """Every choice's token, sorted by expert, to its expert's rank: counts first, then uneven splits."""
     ep, (N, k) = dist.get_world_size(group), routing.experts.shape
     local = n_expert // ep
     flat = routing.experts.t().reshape(-1)                                   # (k N,), choice-major
     order = flat.argsort(stable=True)                                        # choices grouped by expert
     counts = torch.bincount(flat, minlength=n_expert).view(ep, local)        # (ep, E/ep): rows to send
-    incoming = exchange_counts(counts, group, log, where)                    # (ep, E/ep): rows to receive
+    incoming = exchange_counts(counts, group)                    # (ep, E/ep): rows to receive
     send, recv = counts.sum(1).tolist(), incoming.sum(1).tolist()
-    received = all_to_all(tokens[order % N], recv, send, group, log, where, "dispatch")   # (sum recv, C)
+    received = all_to_all(tokens[order % N], recv, send, group)   # (sum recv, C)
     starts = torch.cat([torch.zeros(1, dtype=torch.long), incoming.reshape(-1).cumsum(0)])   # [source][expert]
     rows_of = []
     for e in range(local):                   # expert e's rows: one run from each source rank, in rank order
@@ -77,8 +75,8 @@ def dispatch_dropless(tokens: torch.Tensor, routing: Routing, n_expert: int, gro
     return received, Plan(send, recv, rows_of, slot.view(k, N).t())
 
 
-def _send_back(outputs: torch.Tensor, plan: Plan, group, log, where: str) -> torch.Tensor:
-    return all_to_all(outputs, plan.send_splits, plan.recv_splits, group, log, where, "combine")
+def _send_back(outputs: torch.Tensor, plan: Plan, group) -> torch.Tensor:
+    return all_to_all(outputs, plan.send_splits, plan.recv_splits, group)
 
 
 @reference("moe", "11")     # exercise 11 writes this: refused while its checks run
@@ -92,9 +90,9 @@ def _add_up(returned: torch.Tensor, routing: Routing, slot: torch.Tensor, N: int
 
 
 @reference("moe", "11")     # exercise 11 writes this: refused while its checks run
-def combine_padded(outputs: torch.Tensor, plan: Plan, routing: Routing, group, log=None, where="") -> torch.Tensor:
+def combine_padded(outputs: torch.Tensor, plan: Plan, routing: Routing, group) -> torch.Tensor:
     """The experts' outputs (laid out as received) back to their ranks, each added to its token: (N, C)."""
-    return _add_up(_send_back(outputs, plan, group, log, where), routing, plan.slot, routing.experts.shape[0])
+    return _add_up(_send_back(outputs, plan, group), routing, plan.slot, routing.experts.shape[0])
 
 
 combine_dropless = combine_padded      # the same reverse exchange; only the plan's splits and slots differ

@@ -30,7 +30,7 @@ import torch.nn as nn
 from dtcourse.mesh import Mesh
 from dtcourse.models import GPT
 from dtcourse.models.moe import MoE, _AttachAux, load_balancing_loss, route, z_loss
-from dtcourse.moe.communication import AllToAllLog, exchange_counts
+from dtcourse.moe.communication import exchange_counts
 from dtcourse.moe.dispatch import combine_padded, dispatch_dropless, dispatch_padded
 
 __all__ = ["ExpertParallelMoE", "expert_parallelize", "ExpertParallel", "check_expert_parallel"]
@@ -46,12 +46,11 @@ def check_expert_parallel(n_expert: int, ep: int) -> None:
 class ExpertParallelMoE(nn.Module):
     """This rank's experts of ``moe`` (``experts["e"]``, global ids), its router, and the all-to-alls."""
 
-    def __init__(self, moe: MoE, group: dist.ProcessGroup | None, log: AllToAllLog | None = None,
-                 where: str = ""):
+    def __init__(self, moe: MoE, group: dist.ProcessGroup | None):
         super().__init__()
         ep, rank = dist.get_world_size(group), dist.get_rank(group)
         check_expert_parallel(moe.n_expert, ep)
-        self.group, self.log, self.where = group, log, where
+        self.group = group
         self.n_expert, self.top_k, self.capacity_factor = moe.n_expert, moe.top_k, moe.capacity_factor
         self.aux_loss_coef, self.z_loss_coef = moe.aux_loss_coef, moe.z_loss_coef
         self.mode = "dropless" if moe.capacity_factor is None else "padded"
@@ -66,12 +65,12 @@ class ExpertParallelMoE(nn.Module):
         tokens = x.reshape(B * T, C)                                       # (N, C): this rank's tokens, one group
         routing = route(self.router(tokens), self.top_k, self.capacity_factor)
         dispatch = dispatch_padded if self.mode == "padded" else dispatch_dropless
-        received, plan = dispatch(tokens, routing, self.n_expert, self.group, self.log, self.where)
+        received, plan = dispatch(tokens, routing, self.n_expert, self.group)
         outputs = received.new_zeros(received.shape)                       # (rows received, C), as received
         for e, rows, n in zip(self.mine, plan.rows_of, self._arrived(routing, plan)):
             if n:                  # an expert no token reached does not run: its gradient stays None, as in one process
                 outputs = outputs.index_copy(0, rows, self.experts[str(e)](received[rows]))
-        out = combine_padded(outputs, plan, routing, self.group, self.log, self.where)   # (N, C)
+        out = combine_padded(outputs, plan, routing, self.group)   # (N, C)
         aux = self.aux_loss_coef * load_balancing_loss(routing) + self.z_loss_coef * z_loss(routing)
         self.aux_loss = aux.detach()
         kept = routing.kept.reshape(-1)
@@ -91,15 +90,15 @@ class ExpertParallelMoE(nn.Module):
             return [rows.numel() for rows in plan.rows_of]
         ep = dist.get_world_size(self.group)
         filled = torch.bincount(routing.experts[routing.kept], minlength=self.n_expert).view(ep, -1)  # (ep, E/ep)
-        return exchange_counts(filled, self.group, self.log, self.where).sum(0).tolist()             # (E/ep,)
+        return exchange_counts(filled, self.group).sum(0).tolist()             # (E/ep,)
 
 
-def expert_parallelize(gpt: GPT, group: dist.ProcessGroup | None = None, log: AllToAllLog | None = None) -> GPT:
+def expert_parallelize(gpt: GPT, group: dist.ProcessGroup | None = None) -> GPT:
     """Replace every ``MoE`` block MLP of ``gpt`` by its ``ExpertParallelMoE`` over ``group`` (in place)."""
     if not gpt.config.n_expert:
         raise ValueError("expert_parallelize: this GPT has no experts; build it with GPTConfig(n_expert=E).")
     for i, block in enumerate(gpt.blocks):
-        block.mlp = ExpertParallelMoE(block.mlp, group, log, where=f"blocks.{i}")
+        block.mlp = ExpertParallelMoE(block.mlp, group)
     return gpt
 
 
@@ -118,13 +117,12 @@ class ExpertParallel:
 
     def __init__(self, model: GPT, group: dist.ProcessGroup | None,
                  optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
-                 log: AllToAllLog | None = None, mesh: Mesh | None = None, dp_group: dist.ProcessGroup | None = None):
+                 mesh: Mesh | None = None, dp_group: dist.ProcessGroup | None = None):
         if mesh is not None:
             group, dp_group = mesh.group("ep"), mesh.group("dp")
         self.group, self.dp_group = group, group if dp_group is None else dp_group
-        self.log = AllToAllLog() if log is None else log
         self.replicas = _replica_group(mesh) if mesh is not None and mesh.dims.dp > mesh.dims.ep else None
-        self.model = expert_parallelize(model, group, self.log)
+        self.model = expert_parallelize(model, group)
         self.optimizer = optimizer(self.model.parameters())
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor, loss_fn) -> torch.Tensor:

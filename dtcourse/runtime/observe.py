@@ -74,6 +74,10 @@ class Record:
     end: float | None
     label: str
     backward: bool
+    shape: tuple[int, ...] = ()                  # the first tensor handed to send (collectives: the input)
+    dtype: torch.dtype | None = None             # ... and its dtype
+    sent_to: tuple[int, ...] | None = None      # all-to-all: bytes to each group rank, itself included
+    received_from: tuple[int, ...] | None = None  # all-to-all: bytes from each group rank
 
     @property
     def collective(self) -> str:
@@ -202,6 +206,13 @@ def _input_tensors(name: str, args) -> list[torch.Tensor]:
     return _tensors(args[:1])               # allreduce, broadcast, reduce, scatter, send, recv: the tensors
 
 
+def _row_splits(splits, tensor: torch.Tensor, n: int) -> tuple[int, ...]:
+    """Bytes per rank of an all-to-all's ``tensor`` cut into ``splits`` rows (equal parts when empty)."""
+    rows = tensor.shape[0] if tensor.dim() else 0
+    row = tensor[0].nbytes if rows else 0
+    return tuple(int(s) * row for s in splits) if len(splits) else (rows // n * row,) * n
+
+
 def _observed(name: str, original: Callable) -> Callable:
     def call(self, *args, **kwargs):
         if not _LOGS:
@@ -210,7 +221,11 @@ def _observed(name: str, original: Callable) -> Callable:
         peer = int(args[1]) if name in POINT_TO_POINT_METHODS and len(args) > 1 else None
         record = Record(name, self.size(), self.rank(), peer, sum(t.numel() for t in tensors),
                         sum(t.nbytes for t in tensors), time.perf_counter(), None, _current_label(),
-                        torch._C._current_graph_task_id() >= 0)
+                        torch._C._current_graph_task_id() >= 0, tuple(tensors[0].shape) if tensors else (),
+                        tensors[0].dtype if tensors else None)
+        if name in ("alltoall_base", "all_to_all_single") and len(args) >= 4:   # (out, in, out splits, in splits)
+            record.sent_to = _row_splits(args[3], args[1], self.size())
+            record.received_from = _row_splits(args[2], args[0], self.size())
         for log in _LOGS:
             log.records.append(record)
         work = original(self, *args, **kwargs)
