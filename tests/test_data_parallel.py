@@ -7,6 +7,7 @@ the same bits. Every world size runs all of its cases inside one launch, and the
 train side by side against one baseline and one torch DDP, so the file stays fast on 2 cores.
 """
 
+import time
 from dataclasses import replace
 
 import matplotlib
@@ -21,13 +22,16 @@ import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from dtcourse import RankError, launch  # noqa: E402
-from dtcourse.collectives import ByteCounter, predict_time  # noqa: E402
+from dtcourse.collectives import predict_time  # noqa: E402
 from dtcourse.data_parallel import COMMS, STRATEGIES, DistributedDataParallel, assign_buckets  # noqa: E402
 from dtcourse.data_parallel.cost import best_bucket_count, exposed_comm, step_flops  # noqa: E402
 from dtcourse.lab import data_parallel as lab  # noqa: E402
 from dtcourse.lab.widgets import COLUMN_IN  # noqa: E402
 from dtcourse.models import GPT, GPTConfig, MLP, lm_loss, regression_batch, token_batch  # noqa: E402
+from dtcourse.lab.data_parallel import DDPRecorder  # noqa: E402
 from dtcourse.parity import Replicated, Tolerance, check_parity  # noqa: E402
+from dtcourse.runtime.observe import observe  # noqa: E402
+from dtcourse.runtime.timeline import Timeline  # noqa: E402
 
 B = 12                    # global batch, divisible by every world size tested (1-4)
 ACC_B, MICRO = 36, 3      # accumulation: 36 / (N * 3) rows per micro-batch for N = 1..4
@@ -149,57 +153,63 @@ def _events_and_layout():
     out = {}
     for strategy in STRATEGIES:
         for comm in COMMS:
-            events = []
-            ddp = DistributedDataParallel(_mlp(), strategy=strategy, comm=comm, bucket_cap_mb=MLP_CAP,
-                                          on_event=lambda *e: events.append(e))
-            with ddp.no_sync():
+            ddp = DistributedDataParallel(_mlp(), strategy=strategy, comm=comm, bucket_cap_mb=MLP_CAP)
+            with ddp.no_sync(), observe() as quiet:
                 F.mse_loss(ddp(x), y).backward()
             local = [p.grad.clone() for p in ddp.module.parameters() if p.grad is not None]
-            quiet_kinds = {e[0] for e in events}
-            events.clear()
-            F.mse_loss(ddp(x), y).backward()
-            out[strategy, comm] = (ddp.buckets, quiet_kinds, [e[:2] for e in events], local)
+            timeline = Timeline()
+            if comm == "backend":
+                recorder = DDPRecorder(ddp, timeline)
+                loss = F.mse_loss(ddp(x), y)
+                with recorder.backward():
+                    loss.backward()
+            else:
+                F.mse_loss(ddp(x), y).backward()
+            out[strategy, comm] = (ddp.buckets, len(quiet.records), [s.kind for s in timeline.spans], local)
     return out
 
 
 def test_bucket_layout_events_and_no_sync():
     per_rank = launch(_events_and_layout, 2)
-    for (strategy, comm), (buckets, quiet_kinds, events, local) in per_rank[0].items():
+    for (strategy, comm), (buckets, quiet, kinds, local) in per_rank[0].items():
         if strategy == "per_parameter":
             assert buckets == [["net.4.bias"], ["net.4.weight"], ["net.2.weight"], ["net.0.bias"], ["net.0.weight"]]
         else:   # 20+220 bytes >= 210 | 572 | 52+364; the frozen net.2.bias is in no bucket
             assert buckets == [["net.4.bias", "net.4.weight"], ["net.2.weight"], ["net.0.bias", "net.0.weight"]]
-        assert quiet_kinds == {"forward", "grad"}, "no_sync must not communicate"
+        assert quiet == 0, "no_sync must not communicate"
         assert not all(torch.equal(a, b) for a, b in zip(local, per_rank[1][strategy, comm][3])), \
             "under no_sync each rank keeps its own gradient"
-        kinds = [k for k, _ in events]
-        assert kinds[0] == "forward" and kinds[-1] == "backward"
-        assert kinds.count("all_reduce") == len(buckets) and kinds.count("grad") == 5
-        backend_async = (strategy, comm) == ("overlapped", "backend")
-        assert kinds.count("wait") == (len(buckets) if backend_async else 0)
+        if comm == "backend":            # the timeline lab.data_parallel draws, seen from outside the wrapper
+            assert kinds[0] == "forward" and "backward" in kinds
+            assert kinds.count("all_reduce") == len(buckets) and kinds.count("grad") == 5
+            assert kinds.count("wait") == (len(buckets) if strategy == "overlapped" else 0)
 
 
 def _overlap_order():
-    """Launch times against gradient times: overlapped launches before backward ends, bucketed after."""
+    """Sends against gradient times: overlapped sends buckets before backward ends, bucketed after."""
     x, y = regression_batch(4, SIZES[0], SIZES[-1], seed=dist.get_rank())
     out = {}
     for strategy in ("bucketed", "overlapped"):
         for comm in COMMS:
-            events = []
-            ddp = DistributedDataParallel(_mlp(), strategy=strategy, comm=comm, bucket_cap_mb=MLP_CAP,
-                                          on_event=lambda *e: events.append(e))
-            F.mse_loss(ddp(x), y).backward()
-            last_grad = max(e[2] for e in events if e[0] == "grad")
-            launches = sorted(e[2] for e in events if e[0] == "all_reduce")
-            out[strategy, comm] = sum(t < last_grad for t in launches)
+            ddp = DistributedDataParallel(_mlp(), strategy=strategy, comm=comm, bucket_cap_mb=MLP_CAP)
+            grads = []
+            for p in ddp.module.net[0].parameters():       # bucket 2's: a tensor hook runs before DDP's hook
+                p.register_hook(lambda g: grads.append(time.perf_counter()))
+            loss = F.mse_loss(ddp(x), y)
+            with observe() as log:
+                loss.backward()
+            early = [r for r in log.records if r.start < min(grads)]
+            out[strategy, comm] = (len(early) if comm == "backend" else sum(r.nbytes for r in early if r.op == "send"))
     return out
 
 
 def test_overlapped_buckets_start_before_backward_ends():
     counts = launch(_overlap_order, 2)[0]
     assert counts["bucketed", "backend"] == counts["bucketed", "ring"] == 0
-    # Buckets 0 and 1 fill before net.0's gradients exist; bucket 2 fills with the last gradient.
-    assert counts["overlapped", "backend"] == counts["overlapped", "ring"] == 2
+    # Buckets 0 and 1 fill before net.0's gradients exist; bucket 2 fills with the last gradient. On 2 ranks
+    # the ring sends a bucket's whole bytes: 240 + 572 before the last gradient.
+    assert counts["overlapped", "backend"] == 2
+    assert counts["overlapped", "ring"] == 240 + 572
 
 
 # --------------------------------------------------------------------------- #
@@ -357,20 +367,21 @@ def _counted_ring():
     x, y = regression_batch(6, SIZES[0], SIZES[-1], seed=dist.get_rank())
     out = {}
     for strategy in STRATEGIES:
-        counter = ByteCounter()
-        ddp = DistributedDataParallel(_mlp(), strategy=strategy, comm="ring", bucket_cap_mb=MLP_CAP, counter=counter)
-        F.mse_loss(ddp(x), y).backward()
-        with ddp.no_sync():
-            F.mse_loss(ddp(x), y).backward()              # sends nothing: the counter must not move
-        out[strategy] = (counter.sent, len(counter.messages), len(ddp.buckets))
+        ddp = DistributedDataParallel(_mlp(), strategy=strategy, comm="ring", bucket_cap_mb=MLP_CAP)
+        with observe() as log:
+            F.mse_loss(ddp(x), y).backward()
+            with ddp.no_sync():
+                F.mse_loss(ddp(x), y).backward()          # sends nothing: no record more
+        sends = log.select(op="send")
+        out[strategy] = (sum(r.nbytes for r in sends), len(sends), len(ddp.buckets))
     try:
-        DistributedDataParallel(_mlp(), comm="backend", counter=ByteCounter())
+        DDPRecorder(DistributedDataParallel(_mlp(), comm="ring"), Timeline())
     except ValueError as err:
         out["backend"] = str(err)
     return out
 
 
-def test_a_counter_sees_every_ring_message_and_needs_the_ring():
+def test_the_observer_sees_every_ring_message():
     n = 3
     per_rank = launch(_counted_ring, n)
     # 307 trainable elements (the frozen net.2.bias sent by no one), none divisible by 3: uneven chunks
@@ -384,7 +395,7 @@ def test_a_counter_sees_every_ring_message_and_needs_the_ring():
         assert all(abs(s - 2 * (n - 1) / n * S) < 2 * 4 * buckets for s in sent)
         assert [counts[strategy][1] for counts in per_rank] == [2 * (n - 1) * buckets] * n   # 2(N-1) per bucket
     assert per_rank[0]["per_parameter"][2] == 5 and per_rank[0]["bucketed"][2] == 3
-    assert "needs comm='ring'" in per_rank[0]["backend"]
+    assert "count them with observe() instead" in per_rank[0]["backend"]   # the timeline draws the backend's
 
 
 # --------------------------------------------------------------------------- #

@@ -24,7 +24,7 @@ from dtcourse.runtime.timeline import Span, Timeline, merge  # noqa: E402
 
 def test_recorder_stores_spans_relative_to_its_origin_and_pickles():
     tl = Timeline(origin=100.0)
-    tl.record("forward", "forward", 100.5, 101.25)        # DDP's on_event signature, absolute seconds
+    tl.record("forward", "forward", 100.5, 101.25)        # absolute seconds
     tl.record("grad", "w", 101.5, 101.5)                  # a point
     assert tl.spans == [Span("forward", "forward", 0.5, 1.25), Span("grad", "w", 1.5, 1.5)]
     assert tl.spans[0].duration == 0.75

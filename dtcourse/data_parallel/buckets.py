@@ -60,4 +60,3 @@ class Bucket:
     pending: int = 0                      # gradients not yet accumulated in this backward
     tensor: torch.Tensor | None = None    # what is being all-reduced: flat, or p.grad itself
     work: Any = None                      # async handle from dist.all_reduce, or None once done
-    launched_at: float = 0.0

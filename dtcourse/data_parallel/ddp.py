@@ -29,9 +29,10 @@ divides by N and writes the means into ``p.grad``.
 
 ``comm="ring"`` uses ``dtcourse.collectives.fast_ring_all_reduce``, which is
 synchronous: under ``"overlapped"`` it runs inside the hook that completes a
-bucket, so it starts as early but backward pauses while it runs. With it, a
-``ByteCounter`` passed as ``counter=`` sees every message this rank sends:
-2(N-1) per bucket, 2(N-1)/N of the gradient bytes in all.
+bucket, so it starts as early but backward pauses while it runs. Its messages
+are point-to-point sends that ``dtcourse.runtime.observe`` records one by one:
+2(N-1)/N of the gradient bytes in all. Nothing here logs or times itself;
+lesson 02's timeline watches the wrapper from outside (hooks and the observer).
 
 The forward pass sends nothing: the buffers are copied from rank 0 once, at
 construction. torch's DDP by default also re-broadcasts them at the start of
@@ -43,15 +44,14 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import time
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed import ReduceOp
 
-from dtcourse.collectives import ByteCounter, fast_ring_all_reduce
+from dtcourse.collectives import fast_ring_all_reduce
 from dtcourse.data_parallel.buckets import Bucket, assign_buckets
 from dtcourse.runtime.refuse import reference
 
@@ -59,7 +59,6 @@ __all__ = ["DistributedDataParallel", "assign_buckets", "STRATEGIES", "COMMS"]
 
 STRATEGIES = ("per_parameter", "bucketed", "overlapped")
 COMMS = ("backend", "ring")
-EventHook = Callable[[str, str, float, float], None]
 _MARK = "_dtcourse_ddp_wrapped"   # set on a wrapped module, so wrapping it twice is caught
 
 
@@ -72,37 +71,24 @@ class DistributedDataParallel(nn.Module):
     comm: ``"backend"`` (``dist.all_reduce``) or ``"ring"`` (``dtcourse.collectives.fast_ring_all_reduce``).
     group: the ranks to average over (None: the default group). Construction copies group rank 0's
         parameters and buffers to the others; unlike torch, buffers are not re-sent every forward.
-    counter: a ``ByteCounter`` that records every message the ring all-reduces send (``comm="ring"``
-        only: the backend's own messages are not visible from Python).
     find_unused_parameters: when False, a trainable parameter with no gradient in a synced backward
         raises (cleanly only if every rank misses the same ones; otherwise the ranks' collectives no
         longer match). When True it contributes zeros, so ranks may use different parameters, and
         one more all-reduce of a (P,) usage count finds those unused on every rank, whose ``.grad``
         is left untouched, as torch does.
-    on_event: ``on_event(kind, name, start, end)``, ``time.perf_counter`` seconds, receives the spans
-        a timeline draws: ``forward``, ``backward``, ``grad`` (a point: one gradient accumulated),
-        ``all_reduce`` (launch to completion; for an async one, completion is when ``wait()``
-        returned, an upper bound) and ``wait`` (blocked on communication that compute did not hide).
     """
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25, overlap: bool = True,
                  group: dist.ProcessGroup | None = None, *, strategy: str | None = None,
-                 comm: str = "backend", find_unused_parameters: bool = False,
-                 on_event: EventHook | None = None, counter: ByteCounter | None = None):
+                 comm: str = "backend", find_unused_parameters: bool = False):
         super().__init__()
         # overlap picks between steps 2 and 3, as torch users expect; strategy=
         # names any of the three steps and, when given, decides.
         strategy = strategy or ("overlapped" if overlap else "bucketed")
         _check_arguments(module, strategy, bucket_cap_mb, comm)
-        if counter is not None and comm != "ring":
-            raise ValueError("DistributedDataParallel: counter= counts the messages of our own ring, so it "
-                             f"needs comm='ring' (got comm={comm!r}); the backend's messages are not visible "
-                             "from Python.")
-        self.counter = counter
         self.module = module
         self.strategy, self.comm, self.group = strategy, comm, group
         self.find_unused_parameters = find_unused_parameters
-        self.on_event = on_event
         self.world_size = dist.get_world_size(group)
         _check_same_model(module, group)
         _broadcast_from_rank0(module, group)
@@ -152,32 +138,18 @@ class DistributedDataParallel(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._sync_this_backward = self._require_sync
-        self._backward_start = None
-        start = time.perf_counter()
-        out = self.module(*args, **kwargs)
-        self._event("forward", "forward", start, time.perf_counter())
-        if self.on_event is not None and isinstance(out, torch.Tensor) and out.requires_grad:
-            out.register_hook(self._mark_backward_start)   # runs when backward reaches the output
-        return out
-
-    def _mark_backward_start(self, grad: torch.Tensor) -> None:
-        if self._backward_start is None:
-            self._backward_start = time.perf_counter()
+        return self.module(*args, **kwargs)
 
     # ------------------------------------------------------------------ #
     # During backward
     # ------------------------------------------------------------------ #
     def _grad_ready(self, i: int) -> None:
         """Hook: parameter i's gradient has been accumulated into its ``.grad``."""
-        now = time.perf_counter()
-        self._event("grad", self._names[i], now, now)
         self._used[i] = True
         if not self._sync_this_backward:
             return
         if not self._callback_queued:
             self._callback_queued = True
-            if self._backward_start is None:
-                self._backward_start = now
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
         self._ready[i] = True
         self._bucket_of[i].pending -= 1
@@ -192,7 +164,6 @@ class DistributedDataParallel(nn.Module):
             self._next += 1
 
     def _launch(self, bucket: Bucket) -> None:
-        bucket.launched_at = time.perf_counter()
         with torch.no_grad():
             if bucket.flat is None:              # per_parameter: reduce the gradient itself
                 p = bucket.params[0]
@@ -205,13 +176,11 @@ class DistributedDataParallel(nn.Module):
                         bucket.flat[lo:hi].copy_(p.grad.reshape(-1))
                 bucket.tensor = bucket.flat
             bucket.work = self._all_reduce_sum(bucket.tensor, async_op=self.strategy == "overlapped")
-        if bucket.work is None:   # synchronous: it has finished now; an async one ends at its wait
-            self._event("all_reduce", f"bucket {bucket.index}", bucket.launched_at, time.perf_counter())
 
     def _all_reduce_sum(self, tensor: torch.Tensor, async_op: bool) -> Any:
         """Sum ``tensor`` over the group in place; return a handle to wait on, or None if done."""
         if self.comm == "ring":   # synchronous; each rank sends 2(N-1)/N * tensor.nbytes
-            fast_ring_all_reduce(tensor, op=ReduceOp.SUM, group=self.group, counter=self.counter)
+            fast_ring_all_reduce(tensor, op=ReduceOp.SUM, group=self.group)
             return None
         # the backend picks its own algorithm; a ring-like one also sends ~2(N-1)/N * tensor.nbytes
         return dist.all_reduce(tensor, op=ReduceOp.SUM, group=self.group, async_op=async_op)
@@ -236,8 +205,6 @@ class DistributedDataParallel(nn.Module):
             used = self._globally_used() if self.find_unused_parameters else None
             for bucket in self._buckets:
                 self._complete(bucket, used)
-            if self._backward_start is not None:
-                self._event("backward", "backward", self._backward_start, time.perf_counter())
         finally:
             self._used = [False] * len(self._names)
             self._reset()
@@ -250,10 +217,7 @@ class DistributedDataParallel(nn.Module):
 
     def _complete(self, bucket: Bucket, used: list[bool] | None) -> None:
         if bucket.work is not None:
-            start = time.perf_counter()
             bucket.work.wait()
-            self._event("wait", f"bucket {bucket.index}", start, time.perf_counter())
-            self._event("all_reduce", f"bucket {bucket.index}", bucket.launched_at, time.perf_counter())
         with torch.no_grad():
             bucket.tensor.div_(self.world_size)        # sum -> mean; the same bits on every rank
             for i, p, (lo, hi) in zip(bucket.param_ids, bucket.params, bucket.spans):
@@ -269,13 +233,8 @@ class DistributedDataParallel(nn.Module):
         self._ready = [False] * len(self._names)
         self._next = 0                                 # index of the next bucket to launch
         self._callback_queued = False
-        self._backward_start = None
         for bucket in self._buckets:
             bucket.pending, bucket.tensor, bucket.work = len(bucket.params), None, None
-
-    def _event(self, kind: str, name: str, start: float, end: float) -> None:
-        if self.on_event is not None:
-            self.on_event(kind, name, start, end)
 
 
 # ---------------------------------------------------------------------- #

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from dtcourse.collectives import ByteCounter, predict_time
+from dtcourse.collectives import predict_time
 from dtcourse.data_parallel import STRATEGIES, DistributedDataParallel, assign_buckets
 from dtcourse.data_parallel.cost import best_bucket_count, exposed_comm, hiding_batch, step_flops
 from dtcourse.data_parallel.sampling import padding_mask, torch_shards
@@ -38,12 +38,13 @@ from dtcourse.lab.timeline import timeline_widget
 from dtcourse.lab.widgets import COLUMN_IN
 from dtcourse.models import DDP_GPT, GPT, GPTConfig, lm_loss, token_batch
 from dtcourse.runtime.launch import launch
+from dtcourse.runtime.observe import observe
 from dtcourse.runtime.timeline import Recording, Span, Timeline, in_order, merge, shared_origin
 
 if TYPE_CHECKING:
     import ipywidgets
 
-__all__ = ["ddp_spans", "OverlapSummary", "overlap_summary", "record_ddp_runs", "record_ddp_steps", "describe",
+__all__ = ["DDPRecorder", "ddp_spans", "OverlapSummary", "overlap_summary", "record_ddp_runs", "record_ddp_steps", "describe",
            "ddp_timeline_widget", "plot_shards", "Link", "LOOPBACK", "fitted_link", "forward_collectives",
            "counted_step_flops", "Throughput", "measure_flops_per_s", "OverlapCase", "GPU_CASE", "plot_bucket_model",
            "problem_sampler_repeats", "problem_ring_bytes", "problem_bucket_latency", "problem_step_flops",
@@ -75,10 +76,9 @@ def ddp_spans(recording: Recording) -> Recording:
 class OverlapSummary:
     """How one rank's all-reduces sat against its backward computation, in milliseconds.
 
-    Only asynchronous all-reduces (those DDP waited on) can hide: a synchronous one
-    (``comm="ring"``) stops backward while it runs, even inside the backward span. An async
-    all-reduce's span ends when ``wait()`` returned, an upper bound on when the data arrived,
-    so ``comm_ms`` is an upper bound and ``hidden_fraction`` a lower bound.
+    Only asynchronous all-reduces (those DDP waited on) can hide: a synchronous one stops backward
+    while it runs, even inside the backward span. An all-reduce's span ends when the backend
+    completed its work (the observer's record), which gloo signals from its own thread.
     """
 
     step_ms: float             # first span start to last span end
@@ -115,6 +115,74 @@ def overlap_summary(spans: Sequence[Span]) -> OverlapSummary:
 
 
 
+class DDPRecorder:
+    """What a timeline shows of ``DistributedDataParallel``, seen from outside it: hooks on the wrapper and on
+    its parameters, and ``dtcourse.runtime.observe``'s records of its all-reduces. The wrapper itself logs nothing.
+
+    Spans (``time.perf_counter`` seconds, into ``timeline``): ``forward``; ``grad`` (a point: one gradient
+    computed, just before it is accumulated and the wrapper's hook sees it); ``backward`` (from when backward reaches the output
+    to when ``backward()`` returns); ``all_reduce`` per bucket (from the call to the completion of its work: the
+    wrapper launches buckets strictly in index order, so the k-th all-reduce of a backward is bucket k's); and,
+    for asynchronous all-reduces (``"overlapped"``), ``wait``: the time after the last gradient spent waiting for
+    each bucket in turn, the communication that compute did not hide. Run each backward inside ``backward()``::
+
+        rec = DDPRecorder(ddp, timeline)
+        loss = F.mse_loss(ddp(x), y)
+        with rec.backward():
+            loss.backward()
+    """
+
+    def __init__(self, ddp: DistributedDataParallel, timeline: Timeline):
+        if ddp.comm != "backend":
+            raise ValueError("DDPRecorder draws the backend's all-reduces, one record each; lesson 01's ring "
+                             "(comm='ring') sends point-to-point messages: count them with observe() instead.")
+        self.ddp, self.timeline = ddp, timeline
+        self.forward_start = self.backward_start = self.last_grad = None
+        self.hooks = [ddp.register_forward_pre_hook(self._pre), ddp.register_forward_hook(self._post)]
+        for name, p in ddp.module.named_parameters():
+            if p.requires_grad:
+                self.hooks.append(p.register_hook(lambda g, n=name: self._grad(n)))   # before it is accumulated
+
+    def _pre(self, module: nn.Module, args: Any) -> None:
+        self.forward_start = time.perf_counter()
+
+    def _post(self, module: nn.Module, args: Any, out: Any) -> None:
+        self.timeline.record("forward", "forward", self.forward_start, time.perf_counter())
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(self._reached)              # runs when backward reaches the output
+
+    def _reached(self, grad: torch.Tensor) -> None:
+        if self.backward_start is None:
+            self.backward_start = time.perf_counter()
+
+    def _grad(self, name: str) -> None:           # returns None: the gradient passes unchanged
+        self.last_grad = now = time.perf_counter()
+        self.timeline.record("grad", name, now, now)
+
+    @contextlib.contextmanager
+    def backward(self) -> Iterator[None]:
+        """Record the backward run inside, with its all-reduces and waits."""
+        self.backward_start = self.last_grad = None
+        with observe() as log:
+            yield
+        end = time.perf_counter()
+        start = self.backward_start if self.backward_start is not None else self.last_grad
+        if start is not None:
+            self.timeline.record("backward", "backward", start, end)
+        reduces = [r for r in log.records if r.collective == "all_reduce" and r.dtype.is_floating_point]
+        waiting = self.last_grad if self.last_grad is not None else end
+        for k, r in enumerate(reduces):
+            done = r.end if r.end is not None else end
+            self.timeline.record("all_reduce", f"bucket {k}", r.start, max(r.start, done))
+            if self.ddp.strategy == "overlapped":         # waited on in the engine's callback, in bucket order
+                self.timeline.record("wait", f"bucket {k}", waiting, max(waiting, done))
+                waiting = max(waiting, done)
+
+    def remove(self) -> None:
+        for h in self.hooks:
+            h.remove()
+
+
 def _record_rank(runs: dict[str, dict], config: GPTConfig, batch_size: int, seq_len: int,
                  steps: int) -> dict[str, Timeline]:
     idx, targets = token_batch(config, batch_size, seq_len, seed=dist.get_rank())   # this rank's data
@@ -122,7 +190,8 @@ def _record_rank(runs: dict[str, dict], config: GPTConfig, batch_size: int, seq_
     for label, ddp_kwargs in runs.items():
         timeline = Timeline()
         model = GPT(config, seed=0)
-        ddp = DistributedDataParallel(model, on_event=timeline.record, **ddp_kwargs)
+        ddp = DistributedDataParallel(model, **ddp_kwargs)
+        recorder = DDPRecorder(ddp, timeline)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         for _ in range(steps):                 # each step starts a fresh timeline: the last one is kept
             timeline.restart(shared_origin())
@@ -130,9 +199,11 @@ def _record_rank(runs: dict[str, dict], config: GPTConfig, batch_size: int, seq_
             logits = ddp(idx)
             with timeline.span("forward", "loss"):
                 loss = lm_loss(logits, targets)
-            loss.backward()
+            with recorder.backward():
+                loss.backward()
             with timeline.span("optimizer", "AdamW step"):
                 opt.step()
+        recorder.remove()
         out[label] = timeline
     return out
 
@@ -458,11 +529,11 @@ def _ring_ddp_rank(strategies: list[str], bucket_cap_mb: float, config: GPTConfi
     idx, targets = token_batch(config, 2, min(16, config.block_size), seed=dist.get_rank())
     out = {}
     for strategy in strategies:
-        counter = ByteCounter()
-        ddp = DistributedDataParallel(GPT(config), strategy=strategy, bucket_cap_mb=bucket_cap_mb, comm="ring",
-                                      counter=counter)
-        lm_loss(ddp(idx), targets).backward()            # one step's gradient all-reduces
-        out[strategy] = (counter.sent, len(counter.messages))
+        ddp = DistributedDataParallel(GPT(config), strategy=strategy, bucket_cap_mb=bucket_cap_mb, comm="ring")
+        loss = lm_loss(ddp(idx), targets)
+        with observe() as log:
+            loss.backward()                               # one step's gradient all-reduces, message by message
+        out[strategy] = (log.total("nbytes", op="send"), len(log.select(op="send")))
     return out
 
 

@@ -1,11 +1,11 @@
 """Timelines of what each rank computed and communicated, recorded on one clock.
 
 A ``Timeline`` belongs to one rank and stores spans ``(kind, name, start, end)`` in seconds after
-its ``origin``. ``Timeline.record`` has the signature of the ``on_event`` hook of
-``dtcourse.data_parallel.DistributedDataParallel``; ``Timeline.span`` times your own code::
+its ``origin``. ``Timeline.record`` takes absolute ``time.perf_counter`` seconds (hooks and the
+observer's records give those); ``Timeline.span`` times your own code::
 
     timeline = Timeline(shared_origin())        # inside a rank: t = 0 is just after a barrier
-    ddp = DistributedDataParallel(GPT(config), on_event=timeline.record)
+    timeline.record("grad", "net.0.weight", t, t)
     with timeline.span("optimizer", "AdamW step"):
         opt.step()
 
@@ -62,7 +62,7 @@ class Timeline:
         self.spans: list[Span] = []
 
     def record(self, kind: str, name: str, start: float, end: float) -> None:
-        """Add a span given in absolute ``time.perf_counter()`` seconds (DDP's ``on_event`` signature)."""
+        """Add a span given in absolute ``time.perf_counter()`` seconds."""
         if end < start:
             raise ValueError(f"Timeline.record: span {kind}/{name} ends ({end}) before it starts ({start}).")
         self.spans.append(Span(kind, name, start - self.origin, end - self.origin))
