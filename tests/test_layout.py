@@ -75,7 +75,10 @@ LONG_MODULES = {
                                        "elastic agents with every process they start tagged and killed, the time a "
                                        "failure costs, save times, the Young/Daly interval against a simulated job, "
                                        "two figures and five problems; each part under 120 lines",
-    "dtcourse/lab/tensor_parallel.py": "lesson 09's companion: bytes per layer from the Traffic log, one block's saved "
+    "dtcourse/lab/moe.py": "lesson 11's companion: routing while training, drops against the capacity factor, the "
+                           "observed all-to-alls named and their bytes, compute against parameters, the routing "
+                           "widget and five problems",
+    "dtcourse/lab/tensor_parallel.py": "lesson 09's companion: bytes per layer from the observed collectives, one block's saved "
                                        "bytes by Korthikanti's terms with Megatron's kept shards as a hook, the "
                                        "alpha-beta cost figure, the split figure from real shards, the widget and five "
                                        "problems; each part under 200 lines",

@@ -19,6 +19,8 @@ from dtcourse import RankError, launch
 from dtcourse.mixed_precision import DynamicLossScaler, Recipe
 from dtcourse.models import GPT, MLP, GPTConfig, lm_loss, regression_batch, token_batch
 from dtcourse.parity import FullyShard, Replicated, Tolerance, check_parity
+from dtcourse.lab.zero import collectives_of
+from dtcourse.runtime.observe import label, observe
 from dtcourse.zero import ZeRO, default_units, paper_bytes
 
 SIZES = (6, 10, 12, 7)    # units net.0, net.2, net.4: 70, 132 and 91 elements; at N = 2..5 some need padding
@@ -140,11 +142,13 @@ def test_stage1_and_stage3_match_pytorch():
 # What each stage communicates
 # --------------------------------------------------------------------------- #
 def _one_step(model, x, y):
-    model.comm.reset()
+    """One step, observed; the step's collectives under the label "step" (ZeRO labels each by its unit)."""
     model.zero_grad()
-    F.mse_loss(model(x), y).backward()
-    model.step()
-    return model.comm.log
+    with observe() as log:
+        F.mse_loss(model(x), y).backward()
+        with label("step"):
+            model.step()
+    return log
 
 
 def _traffic():
@@ -155,12 +159,15 @@ def _traffic():
         _one_step(model, x, y)                               # the first step builds the optimizer's states
         log = _one_step(model, x, y)
         padded = sum(f.padded for u in model.units for f in u.flats)
-        out[stage, comm, keep] = ([(c.op, c.what, c.unit, c.phase) for c in log], sum(c.sent for c in log),
-                                  model.comm.counter.sent, padded)
+        mine = collectives_of(log)          # the backend's records are ZeRO's collectives; the ring's are sends
+        out[stage, comm, keep] = ([(c.op, c.what, c.unit, c.phase) for c in mine], sum(c.sent for c in mine),
+                                  log.total("nbytes", op="send"), padded)
     mixed = ZeRO(MLP(SIZES, seed=0), 3, adamw, comm="ring", precision=Recipe(torch.bfloat16),
                  reduce_dtype=torch.float32)
-    log = _one_step(mixed, x, y)
-    out["bf16"] = {op: sum(c.sent for c in log if c.op == op) for op in ("all_gather", "reduce_scatter")}
+    _one_step(mixed, x, y)
+    sends = _one_step(mixed, x, y).select(op="send")
+    out["bf16"] = {"all_gather": sum(r.nbytes for r in sends if r.dtype == torch.bfloat16),     # parameters
+                   "reduce_scatter": sum(r.nbytes for r in sends if r.dtype == torch.float32)}  # gradients
     return out
 
 
@@ -171,9 +178,11 @@ def test_bytes_per_step_follow_the_paper():
     for (stage, comm, keep), (log, sent, counted, padded) in [(k, v) for k, v in per_rank[0].items() if k != "bf16"]:
         assert psi <= padded < psi + n * len(UNITS)          # each unit padded to a multiple of N
         passes = 2 if stage < 3 or keep else 3               # times the gradient-sized tensor travels
-        assert sent == passes * (n - 1) * padded * 4 // n, (stage, comm, keep)   # float32: 4 bytes
+        want = passes * (n - 1) * padded * 4 // n            # float32: 4 bytes
         if comm == "ring":                                   # counted message by message, on every rank
-            assert all(r[stage, comm, keep][2] == sent for r in per_rank)
+            assert log == [] and all(r[stage, comm, keep][2] == want for r in per_rank), (stage, keep)
+            continue
+        assert sent == want and counted == 0, (stage, keep)  # the backend: one record per collective
         ops = {(op, what, phase) for op, what, _, phase in log}
         expected = {0: {("all_reduce", "gradients", "backward")},
                     1: {("reduce_scatter", "gradients", "backward"), ("all_gather", "parameters", "step")},
@@ -185,10 +194,11 @@ def test_bytes_per_step_follow_the_paper():
         assert ops == expected[stage], (stage, comm, keep)
     # bf16 parameters travel in 2 bytes, fp32 gradients in 4: (2 + 2 + 4)(N-1)/N per padded element
     padded = per_rank[0][3, "ring", False][3]
+    assert padded == per_rank[0][3, "backend", False][3]
     assert per_rank[0]["bf16"] == {"all_gather": 2 * (n - 1) * padded * 2 // n,
                                    "reduce_scatter": (n - 1) * padded * 4 // n}
     # stage 3: gathered in forward order, then in backward order, each unit's reduce-scatter after its gather
-    log = per_rank[0][3, "ring", False][0]
+    log = per_rank[0][3, "backend", False][0]
     assert [(op, unit) for op, _, unit, _ in log] == [("all_gather", u) for u in UNITS] + [
         ("all_gather", "net.4"), ("all_gather", "net.2"), ("reduce_scatter", "net.4"), ("all_gather", "net.0"),
         ("reduce_scatter", "net.2"), ("reduce_scatter", "net.0")]   # prefetch: the next gather comes first
@@ -206,10 +216,10 @@ def _gradients_held():
         for p in model.module.parameters():    # run after ZeRO's own hooks, which were registered first
             p.register_post_accumulate_grad_hook(lambda p: held.append(
                 sum(q.grad.numel() for q in model.module.parameters() if q.grad is not None)))
-        model.comm.reset()
-        F.mse_loss(model(x), y).backward()
+        with observe() as log:
+            F.mse_loss(model(x), y).backward()
         after = [q.grad is None for q in model.module.parameters()]
-        out[stage] = (max(held), after, {c.op for c in model.comm.log if c.what == "gradients"}, model.memory())
+        out[stage] = (max(held), after, {c.op for c in collectives_of(log) if c.what == "gradients"}, model.memory())
     return out
 
 

@@ -55,8 +55,9 @@ def test_bytes_sent_per_stage_and_the_collectives_that_send_them():
     n = 4
     per_rank = lab.measure_traffic(world=n)
     for rank in per_rank:
-        for stage, (log, counted, padded) in rank.items():
-            assert counted == sum(c.sent for c in log) == lab.traffic_formula(stage, padded, n)
+        for stage, (log, counted, padded, by_unit) in rank.items():
+            # the ring's messages, counted, against the backend's collectives at a ring's bytes, and the formula
+            assert counted == sum(c.sent for c in log) == sum(by_unit.values()) == lab.traffic_formula(stage, padded, n)
     log2, log3 = per_rank[0][2][0], per_rank[0][3][0]
     # stage 2 reduce-scatters the gradients: no all-reduce or all-gather of gradients
     assert {c.op for c in log2 if c.what == "gradients"} == {"reduce_scatter"}
@@ -68,9 +69,9 @@ def test_bytes_sent_per_stage_and_the_collectives_that_send_them():
         assert [op[:3] for op in ops] == [("all_gather", "parameters", "forward"),
                                           ("all_gather", "parameters", "backward"),
                                           ("reduce_scatter", "gradients", "backward")]
-    for unit in units:      # every rank sends the same share of every unit: nobody owns a layer
-        sent = {sum(s for *_, s in lab.collectives_by_unit(r[3][0])[unit]) for r in per_rank}
-        assert len(sent) == 1
+    for unit in units:      # every rank sends the same share of every unit, counted on the ring: nobody owns a layer
+        sent = {r[3][3][unit] for r in per_rank}
+        assert len(sent) == 1 and sent == {sum(s for *_, s in units[unit])}
 
 
 def test_stage3_prefetch_overlaps_gathers_with_compute_and_no_prefetch_does_not():
@@ -81,11 +82,11 @@ def test_stage3_prefetch_overlaps_gathers_with_compute_and_no_prefetch_does_not(
             assert [s.name for s in spans if s.kind == "forward"] == ["net.0", "net.2", "net.4", "net.6"]
             assert [s.name for s in spans if s.kind == "backward"] == ["net.6", "net.4", "net.2", "net.0"]
             assert sum(s.kind == "all_gather" for s in spans) == 8 and sum(s.kind == "reduce_scatter" for s in spans) == 4
-        assert lab.prefetch_overlaps(off) == []
-        overlaps = {(g.name, c.name) for g, c in lab.prefetch_overlaps(on)}
-        # the next unit is gathered while this one computes: in forward order, then in backward order
-        assert {("net.2 forward", "net.0"), ("net.4 forward", "net.2"), ("net.6 forward", "net.4"),
-                ("net.4 backward", "net.6"), ("net.2 backward", "net.4"), ("net.0 backward", "net.2")} <= overlaps
+        assert lab.prefetch_overlaps(off) == [] and lab.requested_ahead(off) == []   # gather, wait, then compute
+        ahead = {(g.name, c.name) for g, c in lab.requested_ahead(on)}
+        # the next unit is asked for before this one computes: in forward order, then in backward order
+        assert ahead == {("net.2 forward", "net.0"), ("net.4 forward", "net.2"), ("net.6 forward", "net.4"),
+                         ("net.4 backward", "net.6"), ("net.2 backward", "net.4"), ("net.0 backward", "net.2")}
     box = lab.zero_timeline_widget(runs)
     assert "overlaps" in box.view.ax.get_title() and len(box.view.bars) == sum(len(v) for v in runs["prefetch"].values())
 

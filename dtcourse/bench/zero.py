@@ -28,8 +28,8 @@ Variants:
   ``fused=True``: plain AdamW loops over FSDP2's 50 DTensor parameters one by one in Python, where
   ZeRO steps one flat fp32 part per unit, so the fused one compares the rest of the step alike.
 
-"sent" is what one rank sent in one step's collectives, from the ZeRO model's ``comm.log``
-(counted by ``Communicator`` for a bandwidth-optimal algorithm, padding included), beside the
+"sent" is what one rank sent in one more step's collectives, untimed, as ``dtcourse.runtime.observe``
+records them (``lab.zero.collectives_of``: a bandwidth-optimal algorithm's bytes, padding included), beside the
 formula: 2Ψ(N-1)/N for DDP, stages 0-2 and ``ZeRO-3 keep``, 3Ψ(N-1)/N for stage 3 and FSDP2, in
 fp32 bytes, less Ψ_root(N-1)/N where the root unit stays gathered (marked ``*``). FSDP2's and DDP's
 bytes are not counted, only the formula given.
@@ -49,8 +49,10 @@ import torch.nn as nn
 
 from dtcourse.bench import (bars, find, finish, paired, ratio_cell, step_times, text_table, times_cell, turns,
                             world_panels)
+from dtcourse.lab.zero import collectives_of
 from dtcourse.models import DDP_GPT, GPT, GPTConfig, lm_loss, token_batch
 from dtcourse.runtime.launch import launch
+from dtcourse.runtime.observe import observe
 
 FSDP2, FSDP2_FUSED, TORCH_DDP, ZERO3_BLOCKS = "FSDP2", "FSDP2 fused AdamW", "torch DDP", "ZeRO-3 units=blocks"
 VARIANTS = (TORCH_DDP, "dtcourse DDP", "ZeRO-0", "ZeRO-1", "ZeRO-2", "ZeRO-3", "ZeRO-3 no prefetch",
@@ -65,8 +67,8 @@ LR = 1e-3
 Step = Callable[[torch.Tensor, torch.Tensor], None]     # (idx, targets): one training step
 
 
-def _zero(stage: int, **options) -> Callable[[nn.Module], tuple[Step, object]]:
-    def build(model: nn.Module) -> tuple[Step, object]:
+def _zero(stage: int, **options) -> Callable[[nn.Module], tuple[Step, bool]]:
+    def build(model: nn.Module) -> tuple[Step, bool]:
         from dtcourse.zero import ZeRO
         wrapped = ZeRO(model, stage=stage, optimizer=functools.partial(torch.optim.AdamW, lr=LR), **options)
 
@@ -74,19 +76,19 @@ def _zero(stage: int, **options) -> Callable[[nn.Module], tuple[Step, object]]:
             lm_loss(wrapped(idx), targets).backward()
             wrapped.step()
             wrapped.zero_grad()
-        return step, wrapped.comm
+        return step, True                               # its collectives are counted after the timing
     return build
 
 
-def _replicated(wrap: Callable[[nn.Module], nn.Module], **adamw) -> Callable[[nn.Module], tuple[Step, None]]:
-    def build(model: nn.Module) -> tuple[Step, None]:
+def _replicated(wrap: Callable[[nn.Module], nn.Module], **adamw) -> Callable[[nn.Module], tuple[Step, bool]]:
+    def build(model: nn.Module) -> tuple[Step, bool]:
         wrapped, optimizer = wrap(model), torch.optim.AdamW(model.parameters(), lr=LR, **adamw)
 
         def step(idx: torch.Tensor, targets: torch.Tensor) -> None:
             lm_loss(wrapped(idx), targets).backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        return step, None
+        return step, False
     return build
 
 
@@ -123,24 +125,27 @@ def _time_rank(variants: list[str], config: GPTConfig, batch_size: int, seq_len:
     idx, targets = token_batch(config, batch_size, seq_len, seed=dist.get_rank())   # this rank's data
     runs = {v: BUILDERS[v](GPT(config, seed=0)) for v in variants}
     times: dict[str, list[float]] = {v: [] for v in variants}
-    sent: dict[str, tuple[int, int]] = {}
     for i in range(warmup + steps):
         order = turns(variants, i)                          # who goes first rotates
         elapsed = torch.zeros(len(variants), dtype=torch.float64)
         for v in order:
-            step, comm = runs[v]
-            if comm is not None:
-                comm.reset()                             # count this step's collectives alone
+            step, _ = runs[v]
             dist.barrier()                               # every rank starts the step together
             start = time.perf_counter()
             step(idx, targets)
             elapsed[variants.index(v)] = time.perf_counter() - start
-            if comm is not None:
-                sent[v] = (comm.sent, len(comm.log))
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)   # a step ends when the slowest rank's does
         if i >= warmup:
             for v, t in zip(variants, elapsed.tolist()):
                 times[v].append(t)
+    sent: dict[str, tuple[int, int]] = {}
+    for v in variants:
+        step, counted = runs[v]
+        if counted:
+            with observe() as log:                       # one more step, untimed, its collectives recorded
+                step(idx, targets)
+            mine = collectives_of(log)
+            sent[v] = (sum(c.sent for c in mine), len(mine))
     return {v: {"times": times[v], "sent": sent.get(v, (None, None))} for v in variants}
 
 
@@ -213,7 +218,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{args.batch_size} x {args.seq_len} tokens per rank, AdamW; {args.steps} timed rounds after "
           f"{args.warmup} warm-up\n")
     print("vs FSDP2, vs DDP: median of the round-by-round ratios (paired). sent: one rank, one step, "
-          "from comm.log; formula: 2 or 3 Ψ(N-1)/N x 4 bytes (*: less Ψ_root(N-1)/N, the root stays "
+          "observed; formula: 2 or 3 Ψ(N-1)/N x 4 bytes (*: less Ψ_root(N-1)/N, the root stays "
           "gathered); colls: collectives per step\n")
     print(table(rows))
     for n in args.world_sizes:

@@ -43,7 +43,9 @@ from dtcourse.models import MLP, regression_batch
 from dtcourse.offload import OffloadedOptimizer
 from dtcourse.runtime.launch import launch
 from dtcourse.runtime.timeline import Recording, Span, Timeline, merge, shared_origin
-from dtcourse.zero import STAGES, Collective, ModelStateBytes, ZeRO, default_units, paper_bytes
+from dtcourse.collectives.cost import ring_bytes_sent
+from dtcourse.runtime.observe import CommLog, label, observe
+from dtcourse.zero import STAGES, ModelStateBytes, ZeRO, default_units, paper_bytes
 from dtcourse.zero.cost import (OPTIMIZER_STATE_BYTES, Predicted, activation_bytes, optimizer_k, predicted_memory,
                                 traffic_formula)
 
@@ -51,8 +53,9 @@ if TYPE_CHECKING:
     import ipywidgets
 
 __all__ = ["OPTIMIZERS", "MEMORY_MLP", "PROBLEM_MLP", "TIMELINE_MLP", "KINDS", "Predicted", "predicted_memory",
-           "activation_bytes", "RankMemory", "measure_memory", "measure_traffic", "traffic_formula",
-           "collectives_by_unit", "record_stage3", "prefetch_overlaps", "fsdp2_parity", "MemoryView",
+           "activation_bytes", "RankMemory", "measure_memory", "Collective", "collectives_of", "measure_traffic",
+           "traffic_formula",
+           "collectives_by_unit", "record_stage3", "prefetch_overlaps", "requested_ahead", "fsdp2_parity", "MemoryView",
            "memory_widget", "zero_timeline_widget", "problem_stage2_bytes", "problem_stage3_traffic",
            "problem_padding", "problem_prefetch_memory"]
 
@@ -185,24 +188,82 @@ def measure_memory(worlds: Sequence[int] = (2, 4), sizes: Sequence[int] = MEMORY
 # --------------------------------------------------------------------------- #
 # Measured: traffic, and which collective ran on which unit
 # --------------------------------------------------------------------------- #
+@dataclass(frozen=True)
+class Collective:
+    """One of ZeRO's collectives as this rank issued it, from the observer's record.
+
+    op: ``"all_gather"``, ``"reduce_scatter"`` or ``"all_reduce"``; what: ``"parameters"`` (gathered) or
+    ``"gradients"`` (reduced); unit: the unit's name (ZeRO's annotation); phase: ``"forward"``, ``"backward"``
+    or ``"step"``; nbytes: the full tensor's bytes (the gathered output, the reduce-scatter's input, the
+    all-reduced tensor), padding included; sent: the bytes a ring sends for it
+    (``collectives.cost.ring_bytes_sent``, exact: ZeRO pads every flat to a multiple of N).
+    """
+
+    op: str
+    what: str
+    unit: str
+    phase: str
+    nbytes: int
+    sent: int
+
+
+def _phase(record) -> tuple[str, str]:
+    """(phase, unit) of a record labelled by ZeRO, inside the lab's ``label("step")`` for the step."""
+    parts = record.label.split("/")
+    phase = "backward" if record.backward else "step" if parts[0] == "step" else "forward"
+    return phase, parts[-1]
+
+
+def collectives_of(log: CommLog) -> list[Collective]:
+    """ZeRO's collectives among the observer's records (the backend's: one record per collective)."""
+    out = []
+    for r in log.records:
+        op = r.collective
+        if op not in ("all_gather", "reduce_scatter", "all_reduce"):
+            continue
+        full = r.nbytes * (r.group_size if op == "all_gather" else 1)      # an all-gather's record holds its part
+        phase, unit = _phase(r)
+        out.append(Collective(op, "parameters" if op == "all_gather" else "gradients", unit, phase, full,
+                              ring_bytes_sent(op, full, r.group_size)))
+    return out
+
+
+def _observed_step(model: ZeRO, x: torch.Tensor, y: torch.Tensor) -> CommLog:
+    model.zero_grad()
+    with observe() as log:
+        F.mse_loss(model(x), y).backward()
+        with label("step"):
+            model.step()
+    return log
+
+
 def _traffic_rank(sizes: tuple[int, ...], mixed: bool, stages: Sequence[int]) -> dict[int, tuple]:
     x, y = regression_batch(ROWS, sizes[0], sizes[-1], seed=dist.get_rank())
     out = {}
     for stage in stages:
-        model = ZeRO(MLP(sizes, seed=0), stage, OPTIMIZERS["adam"][2], comm="ring", precision=_recipe(mixed))
-        _step(model, x, y)
-        model.comm.reset()                     # count the second step only
-        _step(model, x, y)
-        out[stage] = (tuple(model.comm.log), model.comm.counter.sent,
-                      sum(f.padded for u in model.units for f in u.flats))
+        runs = {}
+        for comm in ("backend", "ring"):
+            model = ZeRO(MLP(sizes, seed=0), stage, OPTIMIZERS["adam"][2], comm=comm, precision=_recipe(mixed))
+            _step(model, x, y)                 # the first step builds the optimizer's states
+            runs[comm] = _observed_step(model, x, y)      # the second step is the one counted
+        sends = runs["ring"].select(op="send")
+        by_unit: dict[str, int] = {}
+        for r in sends:
+            unit = _phase(r)[1]
+            by_unit[unit] = by_unit.get(unit, 0) + r.nbytes
+        out[stage] = (tuple(collectives_of(runs["backend"])), sum(r.nbytes for r in sends),
+                      sum(f.padded for u in model.units for f in u.flats), by_unit)
     return out
 
 
 def measure_traffic(world: int = 4, sizes: Sequence[int] = MEMORY_MLP, mixed: bool = True,
-                    stages: Sequence[int] = STAGES) -> list[dict[int, tuple[tuple[Collective, ...], int, int]]]:
-    """Per rank, per stage: (every collective of one step, the bytes the ring counted sent, padded Ψ).
+                    stages: Sequence[int] = STAGES) -> list[dict[int, tuple]]:
+    """Per rank, per stage, of one step: ``(collectives, counted, padded Ψ, counted per unit)``.
 
-    ``comm="ring"`` runs lesson 01's ring, so the bytes are counted message by message.
+    The same step runs twice, observed (``dtcourse.runtime.observe``): through the backend, whose records
+    are ZeRO's collectives, each with a ring's bytes (``collectives_of``); and on lesson 01's ring
+    (``comm="ring"``), whose every message is recorded, so ``counted`` is measured message by message,
+    in all and per unit (ZeRO names each unit's collectives with ``label``).
     """
     return launch(_traffic_rank, world, tuple(sizes), mixed, tuple(stages))
 
@@ -218,42 +279,13 @@ def collectives_by_unit(log: Sequence[Collective]) -> dict[str, list[tuple[str, 
 # --------------------------------------------------------------------------- #
 # Recorded: stage 3's all-gathers against its compute, with and without prefetch
 # --------------------------------------------------------------------------- #
-class _Timed:
-    """A collective's handle that records the collective's span when ``wait()`` first returns."""
+def _hook_units(model: ZeRO, timeline: Timeline, started: dict[str, float]) -> None:
+    """Hook each unit's module so that its forward lands in ``timeline`` and its backward's start in ``started``.
 
-    def __init__(self, handle: Any, done: Callable[[float], None]):
-        self.handle, self.done = handle, done
-
-    def wait(self) -> Any:
-        result = self.handle.wait()
-        if self.done is not None:
-            self.done(time.perf_counter())
-            self.done = None
-        return result
-
-
-def _record(model: ZeRO, timeline: Timeline) -> None:
-    """Wrap ``model.comm``'s collectives and hook its units' modules, so that one step lands in ``timeline``.
-
-    A collective's span runs from its call to the return of its ``wait()``: an upper bound on when its
-    data arrived. A unit's forward runs from just after ZeRO's pre-hook (its gather waited for) to just
-    before ZeRO's post-hook; its backward from just after ZeRO's pre-backward hook to the call of its
-    gradients' reduce-scatter, which ZeRO makes as soon as the last of them is accumulated.
+    A unit's forward runs from just after ZeRO's pre-hook (its gather waited for) to just before ZeRO's
+    post-hook; its backward starts just after ZeRO's pre-backward hook (the gather) and ends when the
+    reduce-scatter of its gradients is called (``_spans``), which ZeRO does as soon as the last is accumulated.
     """
-    started: dict[str, float] = {}
-
-    def wrap(op: str, call: Callable[..., Any]) -> Callable[..., Any]:
-        def timed(*args: Any, **kwargs: Any) -> _Timed:
-            start = time.perf_counter()
-            handle = call(*args, **kwargs)
-            c = model.comm.log[-1]
-            if c.op == "reduce_scatter" and c.unit in started:
-                timeline.record("backward", c.unit, started.pop(c.unit), start)
-            return _Timed(handle, lambda end: timeline.record(op, f"{c.unit} {c.phase}", start, end))
-        return timed
-
-    for op in ("all_gather", "reduce_scatter", "all_reduce"):
-        setattr(model.comm, op, wrap(op, getattr(model.comm, op)))
     now = time.perf_counter
     for unit in model.units:
         name = unit.name
@@ -268,16 +300,29 @@ def _on_backward(module: nn.Module, args: Any, out: torch.Tensor, mark: dict[str
     out.register_hook(lambda grad: mark.__setitem__(name, time.perf_counter()))
 
 
+def _spans(log: CommLog, timeline: Timeline, started: dict[str, float]) -> None:
+    """The observer's collectives as spans, from the call to the completion of the backend's work."""
+    for r in log.records:
+        if r.collective not in ("all_gather", "reduce_scatter"):
+            continue
+        phase, unit = _phase(r)
+        if r.collective == "reduce_scatter" and unit in started:
+            timeline.record("backward", unit, started.pop(unit), r.start)
+        timeline.record(r.collective, f"{unit} {phase}", r.start, max(r.start, r.end or r.start))
+
+
 def _stage3_rank(prefetches: list[bool], sizes: tuple[int, ...], rows: int, steps: int) -> dict[bool, Timeline]:
     x, y = regression_batch(rows, sizes[0], sizes[-1], seed=dist.get_rank())
     out = {}
     for prefetch in prefetches:
-        model, timeline = ZeRO(MLP(sizes, seed=0), 3, OPTIMIZERS["adam"][2], prefetch=prefetch), Timeline()
-        _record(model, timeline)
+        model, timeline, started = ZeRO(MLP(sizes, seed=0), 3, OPTIMIZERS["adam"][2], prefetch=prefetch), Timeline(), {}
+        _hook_units(model, timeline, started)
         for _ in range(steps):                 # the last step is kept; the first ones warm up
             timeline.restart(shared_origin())
             model.zero_grad()
-            F.mse_loss(model(x), y).backward()
+            with observe() as log:
+                F.mse_loss(model(x), y).backward()
+            _spans(log, timeline, started)
             with timeline.span("optimizer", "AdamW step"):
                 model.step()
         out[prefetch] = timeline
@@ -292,11 +337,29 @@ def record_stage3(world: int = 2, sizes: Sequence[int] = TIMELINE_MLP, rows: int
 
 
 def prefetch_overlaps(spans: Sequence[Span]) -> list[tuple[Span, Span]]:
-    """(parameter all-gather, compute span of another unit) pairs whose intervals overlap, on one rank."""
+    """(parameter all-gather, compute span of another unit) pairs whose intervals overlap, on one rank.
+
+    Measured: a gather's span ends when the backend completed it, so a short gather may finish before the
+    compute it was issued ahead of starts. ``requested_ahead`` gives what the schedule guarantees."""
     gathers = [s for s in spans if s.kind == "all_gather"]
     compute = [s for s in spans if s.kind in ("forward", "backward")]
     return [(g, c) for g in gathers for c in compute
             if g.name.split()[0] != c.name and g.start < c.end and c.start < g.end]
+
+
+def requested_ahead(spans: Sequence[Span]) -> list[tuple[Span, Span]]:
+    """(all-gather of unit v, compute span of another unit u) pairs where the gather was issued before u's
+    compute started, and u computes before v: v's parameters were asked for while u still had work to do."""
+    gathers = [s for s in spans if s.kind == "all_gather"]
+    compute = [s for s in spans if s.kind in ("forward", "backward")]
+    starts = {(c.kind, c.name): c.start for c in compute}
+    out = []
+    for g in gathers:
+        unit, phase = g.name.split()
+        mine = starts.get((phase, unit))
+        out += [(g, c) for c in compute if c.name != unit and c.kind == phase and g.start < c.start
+                and mine is not None and c.start < mine]
+    return out
 
 
 def zero_timeline_widget(runs: dict[str, Recording]) -> ipywidgets.VBox:
@@ -491,7 +554,7 @@ def problem_stage2_bytes(world: int = 4, sizes: Sequence[int] = PROBLEM_MLP) -> 
 
 def problem_stage3_traffic(world: int = 4, sizes: Sequence[int] = PROBLEM_MLP) -> Answer:
     """Bytes one rank sends in one stage-3 step, bf16 parameters and gradients, counted by the ring."""
-    _, sent, padded = measure_traffic(world, sizes, mixed=True, stages=(3,))[-1][3]
+    _, sent, padded, _ = measure_traffic(world, sizes, mixed=True, stages=(3,))[-1][3]
     return Answer(measured=sent, formula=3 * 2 * _psi(sizes) * (world - 1) / world, unit="B", rtol=0.0,
                   why="the ring's messages are counted to the byte, and no unit needs padding")
 

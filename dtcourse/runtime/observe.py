@@ -117,12 +117,14 @@ def _next_sequence_nr() -> int | None:
 def label(name: str) -> Iterator[None]:
     """Calls made inside get ``name`` as their label (joined with ``/`` to the labels around it), and so do the
     calls that the backward of any autograd node created inside makes. A backward node created under no label
-    takes the labels around the ``backward()`` call."""
+    takes the labels around the ``backward()`` call. A label entered during backward (in a hook) wins over the
+    node's: it names what the hook does."""
     stack = getattr(_LOCAL, "labels", None)
     if stack is None:
         stack = _LOCAL.labels = []
-        _LOCAL.spans = []
+        _LOCAL.spans, _LOCAL.in_backward = [], []
     stack.append(name)
+    _LOCAL.in_backward.append(torch._C._current_graph_task_id() >= 0)
     span = None
     if _LOGS:                               # remember which nodes this label's forward creates
         start = _next_sequence_nr()
@@ -135,11 +137,13 @@ def label(name: str) -> Iterator[None]:
         if span is not None:
             span[1] = _next_sequence_nr()
         stack.pop()
+        _LOCAL.in_backward.pop()
 
 
 def _current_label() -> str:
     node = torch._C._current_autograd_node()
-    if node is not None:                    # a backward node: the label its forward was created under
+    hooked = any(getattr(_LOCAL, "in_backward", ()))
+    if node is not None and not hooked:     # a backward node: the label its forward was created under
         seq = node._sequence_nr()
         for start, end, name in reversed(getattr(_LOCAL, "spans", ())):   # the innermost span holding it
             if start <= seq and (end is None or seq < end):

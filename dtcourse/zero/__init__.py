@@ -8,7 +8,7 @@ Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Paramet
   ``Unit``, a block gathered and freed together (``build_units``).
 * ``validate.py``: the checks made before anything changes, each error saying what to change.
 * ``communication.py``: the reduce-scatter, all-gather and all-reduce ZeRO runs, through the
-  backend or lesson 01's ring, each logged with the bytes it sent.
+  backend or lesson 01's ring (nothing logged: ``dtcourse.runtime.observe`` records them).
 * ``sharded.py``: ``ZeRO(module, stage, optimizer)``, stages 0-3, stage 3's prefetch.
 * ``memory.py``: ``ModelStateBytes`` (what a rank holds, ``held_bytes``).
 * ``cost.py``: the formulas: ``paper_bytes`` (the paper's table), ``predicted_memory`` by kind,
@@ -22,11 +22,11 @@ Example, on every rank under ``dtcourse.launch``::
 """
 
 from dtcourse.zero.validate import check_same_model
-from dtcourse.zero.communication import COMMS, Collective, Communicator
+from dtcourse.zero.communication import COMMS, Communicator
 from dtcourse.zero.flat import FlatShard
 from dtcourse.zero.memory import STAGES, ModelStateBytes, held_bytes, paper_bytes
 from dtcourse.zero.sharded import ZeRO
 from dtcourse.zero.units import ROOT, Unit, assign_parameters, build_units, default_units
 
-__all__ = ["ZeRO", "Unit", "FlatShard", "Communicator", "Collective", "COMMS", "STAGES", "ModelStateBytes",
+__all__ = ["ZeRO", "Unit", "FlatShard", "Communicator", "COMMS", "STAGES", "ModelStateBytes",
            "paper_bytes", "held_bytes", "default_units", "assign_parameters", "build_units", "check_same_model", "ROOT"]

@@ -45,6 +45,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from dtcourse.mixed_precision import Recipe
 from dtcourse.zero.validate import MARK, build_optimizer, check_arguments, check_module, check_same_model
 from dtcourse.runtime.compat import all_gather_single
+from dtcourse.runtime.observe import label
 from dtcourse.runtime.refuse import reference
 from dtcourse.zero.communication import Communicator, Handle
 from dtcourse.zero.flat import FlatShard
@@ -66,7 +67,8 @@ class ZeRO(nn.Module):
     precision: lesson 04's ``Recipe``; a 16-bit ``compute`` runs forward and backward in 16 bits.
     reduce_dtype: the dtype gradients are summed in (None: the compute dtype).
     Every parameter must start in fp32 and equal on every rank. Buffers are not sharded: every rank
-    keeps its own, started from rank 0's. ``comm.log`` lists every collective of training.
+    keeps its own, started from rank 0's. Each unit's collectives run under ``label(unit name)``, an
+    annotation that ``dtcourse.runtime.observe`` records (as FSDP2's ``record_function`` ranges in a trace).
     """
 
     def __init__(self, module: nn.Module, stage: int, optimizer: OptimizerFactory,
@@ -132,9 +134,9 @@ class ZeRO(nn.Module):
             self._ran = []
             root = self.units[0] if self.units[0].name == ROOT else None
             if root is not None:                  # the root's parameters are used until the end
-                self._unshard(root, "forward")
+                self._unshard(root)
             if self.prefetch and self._order:
-                self._prefetch(self._order[0], "forward")
+                self._prefetch(self._order[0])
         if self.compute_dtype != torch.float32:   # 16-bit parameters take 16-bit inputs
             args, kwargs = _cast_floats((args, kwargs), self.compute_dtype)
         out = self.module(*args, **kwargs)
@@ -147,9 +149,9 @@ class ZeRO(nn.Module):
 
     def _pre_forward(self, unit: Unit) -> None:
         self._ran.append(unit)
-        self._unshard(unit, "forward")
+        self._unshard(unit)
         if self.prefetch:
-            self._prefetch(_neighbour(self._order, unit, +1), "forward")    # overlaps this unit's forward
+            self._prefetch(_neighbour(self._order, unit, +1))    # overlaps this unit's forward
 
     def _post_forward(self, unit: Unit, out: Any) -> None:
         if self.reshard_after_forward or not torch.is_grad_enabled():
@@ -161,19 +163,19 @@ class ZeRO(nn.Module):
 
     def _pre_backward(self, unit: Unit) -> None:
         self._backward_starts()
-        self._unshard(unit, "backward")
+        self._unshard(unit)
         if self.prefetch:
-            self._prefetch(_neighbour(self._order, unit, -1), "backward")   # overlaps this unit's backward
+            self._prefetch(_neighbour(self._order, unit, -1))   # overlaps this unit's backward
 
-    def _unshard(self, unit: Unit, phase: str) -> None:
+    def _unshard(self, unit: Unit) -> None:
         """Make ``unit`` full: wait for its prefetch, or all-gather it now."""
         if unit.state == "free":
-            self._count("gathered", unit.gather(self.comm, phase, async_op=False))
+            self._count("gathered", unit.gather(self.comm, async_op=False))
         unit.wait()
 
-    def _prefetch(self, unit: Unit | None, phase: str) -> None:
+    def _prefetch(self, unit: Unit | None) -> None:
         if unit is not None and unit.state == "free":
-            self._count("gathered", unit.gather(self.comm, phase, self._async))
+            self._count("gathered", unit.gather(self.comm, self._async))
 
     def _reshard(self, unit: Unit) -> None:
         if self.stage == 3 and unit.state != "free":
@@ -209,11 +211,12 @@ class ZeRO(nn.Module):
             bucket = flat.gradient_bucket(self.reduce_dtype)                   # (N·s,)
         if bucket is not flat.grad_full:
             self._count("buckets", bucket.nbytes)
-        if self.stage == 0:                     # sends 2(N-1)/N * bucket.nbytes
-            out, handle = bucket, self.comm.all_reduce(bucket, "gradients", unit.name, "backward", self._async)
-        else:                                   # sends (N-1)/N * bucket.nbytes; out may not alias bucket
-            out = torch.empty_like(flat.grad) if self._grad_is_view else flat.grad
-            handle = self.comm.reduce_scatter(out, bucket, "gradients", unit.name, "backward", self._async)
+        with label(unit.name):
+            if self.stage == 0:                 # sends 2(N-1)/N * bucket.nbytes
+                out, handle = bucket, self.comm.all_reduce(bucket, self._async)
+            else:                               # sends (N-1)/N * bucket.nbytes; out may not alias bucket
+                out = torch.empty_like(flat.grad) if self._grad_is_view else flat.grad
+                handle = self.comm.reduce_scatter(out, bucket, self._async)
         self._reductions.append((flat, handle, bucket, out))
         while self.stage >= 2 and len(self._reductions) > 1:
             self._complete(*self._reductions.pop(0))
@@ -270,8 +273,8 @@ class ZeRO(nn.Module):
                 if flat.master.data_ptr() != flat.shard.data_ptr():
                     flat.shard.copy_(flat.master)          # round the fp32 master into the 16-bit part
                 if self.stage in (1, 2):                   # sends (N-1)/N * full.nbytes; full is the output
-                    handles.append(self.comm.all_gather(flat.full, flat.shard.clone(), "parameters", unit.name,
-                                                        "step", self._async))
+                    with label(unit.name):
+                        handles.append(self.comm.all_gather(flat.full, flat.shard.clone(), self._async))
         for handle in handles:
             handle.wait()
 
@@ -369,7 +372,7 @@ class ZeRO(nn.Module):
         return [f for u in self.units for f in u.flats if trainable is None or f.trainable == trainable]
 
     def _whole(self, part: torch.Tensor, flat: FlatShard) -> torch.Tensor:
-        """The (N·s,) vector whose part this rank holds: for looking, so not in ``comm.log``."""
+        """The (N·s,) vector whose part this rank holds: for looking (outside training's collectives)."""
         part = part.detach()
         if part.numel() == flat.padded:
             return part

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from dtcourse.runtime.observe import label
 from dtcourse.zero.communication import Communicator, Handle
 from dtcourse.zero.flat import FlatShard
 
@@ -92,12 +93,13 @@ class Unit:
     state: str = "full"
     pending: list[Handle] = field(default_factory=list)
 
-    def gather(self, comm: Communicator, phase: str, async_op: bool) -> int:
+    def gather(self, comm: Communicator, async_op: bool) -> int:
         """Start all-gathering every flat into its ``full``; returns the bytes this allocates."""
         for flat in self.flats:
             flat.allocate()
-            # sends (N-1)/N * full.nbytes: this rank's part to every other rank
-            self.pending.append(comm.all_gather(flat.full, flat.shard, "parameters", self.name, phase, async_op))
+            with label(self.name):      # an annotation, as FSDP2's record_function: names the unit in traces
+                # sends (N-1)/N * full.nbytes: this rank's part to every other rank
+                self.pending.append(comm.all_gather(flat.full, flat.shard, async_op))
         self.state = "gathering"
         return sum(flat.full.nbytes for flat in self.flats)
 
