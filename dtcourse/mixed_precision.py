@@ -43,8 +43,6 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.nn as nn
 
-from dtcourse.runtime.refuse import reference
-
 __all__ = ["MasterWeights", "LossScaler", "StaticLossScaler", "DynamicLossScaler", "Recipe", "Trainer", "to_fp32",
            "LOW_PRECISION"]
 
@@ -101,7 +99,6 @@ class MasterWeights:
 # --------------------------------------------------------------------------- #
 # Loss scaling
 # --------------------------------------------------------------------------- #
-@reference("mixed_precision", "04")     # exercise 04 writes step() and update(): refused while its checks run
 class LossScaler:
     """What static and dynamic loss scaling share; GradScaler's methods, for fp32 (master) gradients.
 
@@ -158,7 +155,6 @@ class LossScaler:
                 g.mul_(inv_scale)
         self._found_inf[id(optimizer)] = found
 
-    @reference("mixed_precision", "04")
     def step(self, optimizer: torch.optim.Optimizer, **kwargs) -> Any:
         """``optimizer.step(**kwargs)``, unless the unscaled gradients hold an inf or NaN (then ``None``)."""
         if "closure" in kwargs:
@@ -174,7 +170,6 @@ class LossScaler:
             return None                 # skip: the weights keep their values, the scale will drop
         return optimizer.step(**kwargs)
 
-    @reference("mixed_precision", "04")
     def update(self, new_scale: float | None = None) -> None:
         """End the iteration: set the next scale (``new_scale`` if given) and forget the inf checks."""
         if new_scale is not None:
@@ -209,7 +204,6 @@ class StaticLossScaler(LossScaler):
         pass                            # static: S never changes
 
 
-@reference("mixed_precision", "04")
 class DynamicLossScaler(LossScaler):
     """Dynamic loss scaling with ``torch.amp.GradScaler``'s rule and defaults (arXiv 1710.03740, 3.2).
 
@@ -232,7 +226,6 @@ class DynamicLossScaler(LossScaler):
         self.growth_interval = growth_interval
         self._growth_tracker = 0        # clean steps in a row since the scale last changed
 
-    @reference("mixed_precision", "04")
     def _next_scale(self, found_inf: bool) -> None:
         if found_inf:
             self._scale = to_fp32(self._scale * self.backoff_factor)

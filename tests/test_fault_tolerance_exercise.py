@@ -25,6 +25,7 @@ import time
 import pytest
 
 from dtcourse import checks
+from dtcourse.checks.guard import course_answer
 from dtcourse.fault_tolerance import snapshot
 from exercise_harness import EXPECTED, assert_released, compile_answers, solution_code
 
@@ -122,9 +123,9 @@ def test_the_solution_passes_every_check_hidden_cases_included():
            in report, report
 
 
-def test_the_course_snapshots_are_marked_and_refused():
+def test_the_course_snapshots_are_listed_and_refused():
     for obj in (snapshot.Snapshots.save, snapshot.Snapshots.restore, snapshot.rng_state, snapshot.set_rng_state):
-        assert obj.__dtcourse_reference__ == ("fault_tolerance", "12"), obj
+        assert course_answer(obj) == ("fault_tolerance", "12"), obj
     with pytest.raises(AssertionError, match=r"was given dtcourse\.fault_tolerance\.snapshot\.Snapshots\.save, the "
                                              r"course's own answer to exercise 12"):
         checks.check_snapshot_round_trip(snapshot.Snapshots.save, SOLUTION[1])
@@ -135,7 +136,7 @@ def test_the_course_snapshots_are_marked_and_refused():
     with pytest.raises(AssertionError, match=r"rank \d raised ReferenceRefused: dtcourse\.fault_tolerance\.snapshot\."
                                              r"rng_state is the course's own answer to exercise 12"):
         checks.check_snapshot_resume(*CALLS_THE_COURSE)
-    assert snapshot._atomic_write.__dtcourse_reference__ == ("fault_tolerance", "12")
+    assert course_answer(snapshot._atomic_write) == ("fault_tolerance", "12")
     with pytest.raises(AssertionError, match=r"raised ReferenceRefused: dtcourse\.fault_tolerance\.snapshot\._atomic_write "
                                              r"is the course's own answer to exercise 12"):
         checks.check_snapshot_round_trip(*USES_THE_COURSE_WRITER)

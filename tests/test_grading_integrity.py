@@ -1,6 +1,7 @@
 """Grading an instructor can trust: the checks cannot be talked out of checking.
 
-* the references refuse student callers while a check runs, and only them (``runtime/refuse.py``);
+* the course's answers, listed in each check module's ``ANSWERS``, refuse student callers while a
+  check runs, and only them, whatever name the student bound them to (``runtime/refuse.py``);
 * ``guard.watching`` catches a collective however it is reached, records messages, and puts
   the process group back;
 * the audit finds code that rebinds a check or patches what the checks rely on, and a notebook
@@ -30,21 +31,25 @@ from dtcourse import launch
 from dtcourse.checks.guard import watching
 from dtcourse.grading.audit import audit_cells
 from dtcourse.grading.grade import grade_notebook
-from dtcourse.runtime.refuse import ReferenceRefused, reference, refusing
+from dtcourse.checks.collectives import ANSWERS
+from dtcourse.collectives import ring_all_reduce as mine      # bound at notebook level, before any check
+from dtcourse.runtime.refuse import ReferenceRefused, refusing
 from exercise_harness import EXPECTED, NAMES, by_id, exercise_path, solution_code, source_path, student_copy
 
 NAME = "01_collectives_ring"
 
 
 # --------------------------------------------------------------------------- #
-# References refuse the student's calls, and only while a check runs
+# The course's answers refuse the student's calls, and only while a check runs
 # --------------------------------------------------------------------------- #
-@reference("demo", "99")
 def _answer(x: int) -> int:
     return 2 * x
 
 
-@reference("demo", "99")
+def _other_answer(x: int) -> int:
+    return 3 * x
+
+
 class _Server:
     def __init__(self, n: int) -> None:
         self.n = n
@@ -66,14 +71,14 @@ def _refused(fn, *args) -> str:
         return "refused"
 
 
-def test_a_reference_refuses_student_callers_inside_a_check_only():
+def test_an_answer_refuses_student_callers_inside_a_check_only():
     assert _answer(2) == 4 and _Server(1).n == 1                     # outside a check: as usual
-    with refusing({"demo": "99"}):
+    with refusing([_answer, _Server], "99"):
         with pytest.raises(ReferenceRefused, match="exercise 99.*do this part yourself"):
             _student_calls(_answer, 2)
         with pytest.raises(ReferenceRefused, match="_Server"):
             _StudentServer(3)                      # a subclass refuses, even made by the check itself
-        assert _answer.__wrapped__(2) == 4                            # the check's own use: a library frame
+        assert _answer(2) == 4                     # the check's own use: no student frame below the block's
         import threading
 
         caught = []
@@ -81,15 +86,40 @@ def test_a_reference_refuses_student_callers_inside_a_check_only():
         worker.start()
         worker.join()
         assert caught == ["refused"]                                 # a thread the student starts too
-    with refusing({"other": "98"}):
+    with refusing([_other_answer], "98"):
         assert _student_calls(_answer, 2) == 4                       # another exercise's check
     assert _student_calls(_answer, 5) == 10
 
 
-def test_a_check_refuses_the_reference_itself_passed_by_name():
-    mine = _answer                                   # a student's `ring_all_reduce = the course's one`
-    with pytest.raises(AssertionError, match="was given .*_answer, the course's own answer to exercise"):
-        checks.check_all_reduce(mine, world_sizes=(2,))
+def _calls_mine(tensor: torch.Tensor) -> None:
+    mine(tensor)                      # the name the notebook bound before the check
+
+
+def _mine_on_ranks() -> list[float]:
+    total = torch.ones(3)
+    mine(total)
+    return total.tolist()
+
+
+def test_an_answer_bound_before_the_check_is_refused_and_runs_again_after():
+    original = mine.__code__
+    with pytest.raises(AssertionError, match=r"rank \d raised ReferenceRefused: dtcourse\.collectives\.ring\."
+                                             r"ring_all_reduce is the course's own answer to exercise 01"):
+        checks.check_all_reduce(_calls_mine, world_sizes=(2,), sizes=(3,))
+    import dtcourse.collectives.ring as ring
+    with watching(ANSWERS):                   # in this process too: the same object, switched off in place
+        assert mine is ring.ring_all_reduce and mine.__code__ is not original
+        with pytest.raises(ReferenceRefused, match="ring_all_reduce is the course's own answer to exercise 01"):
+            _student_calls(mine, torch.ones(3))
+    with pytest.raises(KeyError), watching(ANSWERS):      # put back however the block ends
+        raise KeyError("the student's error")
+    assert mine.__code__ is original and not [name for name in vars(ring) if name.startswith("__dtcourse")]
+    assert launch(_mine_on_ranks, 2) == [[2.0, 2.0, 2.0]] * 2          # after the check: as usual
+
+
+def test_a_check_refuses_the_answer_itself_passed_by_name():
+    with pytest.raises(AssertionError, match="was given .*ring_all_reduce, the course's own answer to exercise"):
+        checks.check_all_reduce(mine, world_sizes=(2,))     # a student's `ring_all_reduce = the course's one`
 
 
 def _ring_of_collectives(x: torch.Tensor, how: str) -> None:
@@ -112,14 +142,14 @@ _SAVED_ALL_REDUCE = dist.all_reduce     # taken before any check starts
 def _guard_rank() -> dict:
     found = {}
     for how in HOWS:
-        with watching({"collectives": "01"}, p2p_only=True):
+        with watching(ANSWERS, p2p_only=True):
             try:
                 _ring_of_collectives(torch.ones(3), how)
                 found[how] = "ran"
             except AssertionError as error:
                 found[how] = str(error)
     rank, n = dist.get_rank(), dist.get_world_size()
-    with watching({}, p2p_only=True) as watch:
+    with watching(p2p_only=True) as watch:
         sent, received = torch.arange(5.0), torch.empty(5)
         for request in dist.batch_isend_irecv([dist.P2POp(dist.isend, sent, (rank + 1) % n),
                                                dist.P2POp(dist.irecv, received, (rank - 1) % n)]):

@@ -90,7 +90,7 @@ LONG_MODULES = {
                                    "the ring step-through widget, the four problems); each part under 150 lines",
     "dtcourse/memory.py": "lesson 00's measurement and its formulas (storage bytes, saved tensors by kind, a "
                           "step's held bytes op by op, the optimizer-state table): one concept, each part "
-                          "under 80 lines; the @reference marks for exercise 00 took it past 350",
+                          "under 80 lines",
     "dtcourse/lab/zero.py": "lesson 06's companion: the formulas with K per optimizer, memory by kind measured per "
                             "rank, bytes sent and the collectives per unit, stage 3's recorded prefetch, FSDP2 "
                             "parity, the memory widget and four problems; each part under 120 lines",
@@ -197,6 +197,46 @@ def test_lab_checks_and_bench_modules_are_named_by_stems():
 def test_algorithm_modules_never_draw(path):
     drawing = {name for name in _imports(path) if name.startswith(DRAWING)}
     assert not drawing, f"{path.relative_to(ROOT)} imports {sorted(drawing)}: move the drawing to dtcourse/lab/"
+
+
+# What the grading may not leave in the algorithms: what a check refuses is listed in its check module.
+GRADING_MARKS = ("@reference", "refused while its checks run")
+
+
+def _graded_algorithm_modules() -> list[Path]:
+    """What a lesson may show with ``inspect.getsource``: everything but the grading, the lessons' companions
+    and the command line (checks/, grading/, runtime/, lab/, bench/, grade.py, exercises.py, cli.py, site.py)."""
+    skip = {"checks", "grading", "runtime", "lab", "bench", "grade.py", "exercises.py", "cli.py", "site.py"}
+    return sorted(p for p in PACKAGE.rglob("*.py") if p.relative_to(PACKAGE).parts[0] not in skip)
+
+
+@pytest.mark.parametrize("path", _graded_algorithm_modules(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_algorithm_modules_carry_no_grading(path):
+    refuse = {name for name in _imports(path) if name.startswith("dtcourse.runtime.refuse")}
+    assert not refuse, f"{path.relative_to(ROOT)} imports {sorted(refuse)}: list the answer in its check module"
+    text = path.read_text()
+    marks = [mark for mark in GRADING_MARKS if mark in text]
+    assert not marks, (f"{path.relative_to(ROOT)} holds {marks}: what a check refuses is listed in "
+                       "dtcourse/checks/<stem>.py (ANSWERS), not marked where a lesson shows the code")
+
+
+# Arguments through which an algorithm would report what it does: dtcourse.runtime.observe sees the traffic at the
+# process group instead, and hooks see the rest. A ByteCounter (``counter``) stays where counting messages is the
+# lesson: lesson 01's collectives and lesson 03's parameter server, whose per-link counts are its subject.
+LOGGING_ARGUMENTS = {"traffic", "log", "logger", "on_event", "events", "counter"}
+COUNTING_IS_THE_LESSON = ("collectives", "parameter_server")
+
+
+@pytest.mark.parametrize("path", _graded_algorithm_modules(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_algorithms_take_no_logging_arguments(path):
+    allowed = {"counter"} if path.relative_to(PACKAGE).parts[0] in COUNTING_IS_THE_LESSON else set()
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            names = {a.arg for a in node.args.posonlyargs + node.args.args + node.args.kwonlyargs}
+            found += [f"{node.name}({name})" for name in sorted((names & LOGGING_ARGUMENTS) - allowed)]
+    assert not found, (f"{path.relative_to(ROOT)}: {found} take a logging argument; let the lab observe the "
+                       "traffic with dtcourse.runtime.observe (and hooks) instead")
 
 
 def test_the_runtime_depends_on_no_technique():

@@ -27,6 +27,7 @@ import torch
 
 from dtcourse import checks
 from dtcourse.checks import moe as moe_checks
+from dtcourse.checks.guard import course_answer
 from dtcourse.models import moe as layer
 from dtcourse.moe import dispatch as library
 from exercise_harness import EXPECTED, assert_released, compile_answers
@@ -148,10 +149,10 @@ def test_every_configuration_drops_choices_on_some_rank_of_every_group():
                     assert full.stats["dropped"] > 0, (case, cfg)
 
 
-def test_the_course_functions_are_marked_and_still_read_as_themselves():
+def test_the_course_functions_are_listed_and_still_read_as_themselves():
     for fn in (layer.positions_in_expert, library.dispatch_padded, library.combine_padded, library._add_up,
                library.combine_dropless):
-        assert fn.__dtcourse_reference__ == ("moe", "11"), fn
+        assert course_answer(fn) == ("moe", "11"), fn
     assert "one_hot.cumsum(dim=0) - 1" in inspect.getsource(layer.positions_in_expert)
     assert list(inspect.signature(library.dispatch_padded).parameters)[:4] == ["tokens", "routing", "n_expert", "group"]
     assert layer.positions_in_expert(torch.tensor([[1], [0], [1]]), 2).tolist() == [[0], [0], [1]]   # no check running

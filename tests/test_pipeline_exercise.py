@@ -24,6 +24,7 @@ import time
 import pytest
 
 from dtcourse import checks
+from dtcourse.checks.guard import course_answer
 from dtcourse.pipeline import Action, schedules
 from exercise_harness import EXPECTED, assert_released, nbgrader_cells, solution_code, source_path
 
@@ -128,8 +129,8 @@ def test_the_solution_passes_every_check_hidden_cases_included():
         check(one_f_one_b, cases=("small", "large"))
 
 
-def test_the_course_generator_is_marked_and_still_reads_as_itself():
-    assert schedules.one_f_one_b.__dtcourse_reference__ == ("pipeline", "08")
+def test_the_course_generator_is_listed_and_still_reads_as_itself():
+    assert course_answer(schedules.one_f_one_b) == ("pipeline", "08")
     assert "warmup = min(p - 1 - r, m)" in inspect.getsource(schedules.one_f_one_b)
     assert schedules.one_f_one_b(2, 3)[0] == [Action(0, "F", 0), Action(0, "F", 1), Action(0, "B", 0),
                                                 Action(0, "F", 2), Action(0, "B", 1), Action(0, "B", 2),

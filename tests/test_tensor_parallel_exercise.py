@@ -24,6 +24,7 @@ import time
 import pytest
 
 from dtcourse import checks
+from dtcourse.checks.guard import course_answer
 from dtcourse.tensor_parallel import communications, layers
 from exercise_harness import EXPECTED, assert_released, compile_answers
 
@@ -82,7 +83,7 @@ CALLS_THE_COURSE = _answer(column=[("        x = f(x, self.group)",
                                     "        x = copy_to_tensor_parallel(x, self.group)")])
 CALLS_ITS_FUNCTION = _answer(f_and_g=[("    return CopyToTensorParallel.apply(x, group)",
                                        "    from dtcourse.tensor_parallel.communications import _CopyToTensorParallel\n"
-                                       "    return _CopyToTensorParallel.apply(x, group, None, '')")])
+                                       "    return _CopyToTensorParallel.apply(x, group)")])
 
 
 class CourseColumn(layers.ColumnParallelLinear):
@@ -118,11 +119,11 @@ def test_the_solution_passes_every_check_hidden_cases_included():
     checks.check_parallel_mlp(ColumnParallelLinear, RowParallelLinear, cases=BOTH)
 
 
-def test_the_course_layers_and_operators_are_marked_and_still_read_as_themselves():
+def test_the_course_layers_and_operators_are_listed_and_still_read_as_themselves():
     for obj in (layers.ColumnParallelLinear, layers.RowParallelLinear, communications.copy_to_tensor_parallel,
                 communications.reduce_from_tensor_parallel):
-        assert obj.__dtcourse_reference__ == ("tensor_parallel", "09"), obj
-    assert "return _CopyToTensorParallel.apply(x, group, traffic, where)" in inspect.getsource(
+        assert course_answer(obj) == ("tensor_parallel", "09"), obj
+    assert "return _CopyToTensorParallel.apply(x, group)" in inspect.getsource(
         communications.copy_to_tensor_parallel)
     assert "self.weight = _split_parameter(full.weight, 0, rank, t, parts)" in inspect.getsource(
         layers.ColumnParallelLinear)

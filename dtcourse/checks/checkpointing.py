@@ -30,12 +30,19 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from dtcourse.checks.common import _as_student, _check_names, _launch_check, _refuse_library_code, _student_error
-from dtcourse.checks.guard import watching
+from dtcourse.checks.guard import Answers, watching
 
 __all__ = ["check_segment_bounds", "check_checkpoint_gradients", "check_checkpoint_memory",
            "SEGMENT_CASES", "GRADIENT_CASES", "MEMORY_SLACK"]
 
-TOPICS = {"checkpointing": "05"}     # refused while these checks run (torch.utils.checkpoint too)
+# What these checks switch off while the student's code runs (guard.watching), and refuse to be given
+ANSWERS = Answers("05", course=tuple(f"dtcourse.checkpointing.{name}" for name in (
+    "checkpoint", "segment_bounds", "checkpoint_sequential", "CheckpointedSequential")),
+    library={"torch.utils.checkpoint is switched off while exercise 05's checks run: the exercise asks you to write "
+             "the checkpointing yourself": (      # what each form looks up at every call (torch 2.15: the _impl)
+                 "torch.utils.checkpoint.CheckpointFunction.apply",
+                 "torch.utils.checkpoint._checkpoint_without_reentrant_generator?",
+                 "torch.utils.checkpoint._checkpoint_without_reentrant_generator_impl?")})
 
 # (n_layers, segments) pairs, and the segment counts that must raise ValueError, per case.
 SEGMENT_CASES = {
@@ -82,13 +89,13 @@ def check_segment_bounds(fn: Callable, cases: Sequence[str] = ("small",),
     reported with the arguments, the expected and actual lists, and a hint for common rules.
     """
     _check_names("check_segment_bounds", fn, cases, SEGMENT_CASES)
-    _refuse_library_code("check_segment_bounds", fn, TOPICS["checkpointing"], _ADVICE)
+    _refuse_library_code("check_segment_bounds", fn, ANSWERS.exercise, _ADVICE)
     _launch_check(getattr(fn, "__name__", "your function"), 1, _segments_rank, (fn, tuple(cases)), timeout,
                   where="", hint="Does a loop in it never end?")
 
 
 def _segments_rank(fn: Callable, cases: tuple[str, ...], progress: str) -> list:
-    with watching(TOPICS):
+    with watching(ANSWERS):
         return _segments_cases(fn, cases, progress)
 
 
@@ -165,7 +172,7 @@ def check_checkpoint_gradients(cls: Callable, cases: Sequence[str] = ("mlp",),
     equal to the bit, and the global RNG must end where the plain run left it.
     """
     _check_names("check_checkpoint_gradients", cls, cases, GRADIENT_CASES)
-    _refuse_library_code("check_checkpoint_gradients", cls, TOPICS["checkpointing"], _ADVICE)
+    _refuse_library_code("check_checkpoint_gradients", cls, ANSWERS.exercise, _ADVICE)
     _launch_check(getattr(cls, "__name__", "your class"), 1, _gradients_rank, (cls, tuple(cases)), timeout,
                   where="", hint="Does a recomputation call itself, or a loop never end?")
 
@@ -254,7 +261,7 @@ def _as_student_hinted(progress: str, call: Callable, hint: Callable[[], str]) -
 
 
 def _gradients_rank(cls: Callable, cases: tuple[str, ...], progress: str) -> list:
-    with watching(TOPICS):
+    with watching(ANSWERS):
         for name in cases:
             case = GRADIENT_CASES[name]
             for k in case.segments:
@@ -377,7 +384,7 @@ def check_checkpoint_memory(cls: Callable, segments: int | Sequence[int] = 3, ti
                          f"got {segments!r}")
     if not callable(cls):
         raise TypeError(f"check_checkpoint_memory: pass your class itself, not {type(cls).__name__}")
-    _refuse_library_code("check_checkpoint_memory", cls, TOPICS["checkpointing"], _ADVICE)
+    _refuse_library_code("check_checkpoint_memory", cls, ANSWERS.exercise, _ADVICE)
     _launch_check(getattr(cls, "__name__", "your class"), 1, _memory_rank, (cls, counts), timeout,
                   where="", hint="Does a recomputation call itself, or a loop never end?")
 
@@ -396,7 +403,7 @@ def _memory_rank(cls: Callable, counts: tuple[int, ...], progress: str) -> list:
         where = f"{n} layers of width {width} (11 of Linear + ReLU, then a Linear), batch {batch}, segments={k}"
         Path(progress, "0").write_text(where)
         want = _measure(reference, k, progress)
-        with watching(TOPICS):
+        with watching(ANSWERS):
             got = _measure(lambda layers, k: cls(*layers, segments=k), k, progress, student=True)
         problem = _memory_problem(got, want, k)
         if problem:

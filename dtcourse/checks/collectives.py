@@ -36,13 +36,19 @@ import torch
 import torch.distributed as dist
 
 from dtcourse.checks.common import _as_student, _launch_check, _refuse_library_code, _stop_at_first_failure
-from dtcourse.checks.guard import Watch, watching
+from dtcourse.checks.guard import Answers, Watch, watching
 
 __all__ = ["check_ring_exchange", "check_reduce_scatter", "check_all_gather", "check_all_reduce", "FLOATS"]
 
 Size = int | tuple[int, ...]
 FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-TOPICS = {"collectives": "01"}     # the references refused while these checks run
+# What these checks switch off while the student's code runs (guard.watching), and refuse to be given
+ANSWERS = Answers("01", course=tuple(f"dtcourse.collectives.{name}" for name in (
+    "ring.reduce_scatter_steps", "ring.all_gather_steps", "ring.ring_reduce_scatter", "ring.ring_all_gather",
+    "ring.ring_all_reduce", "pipelined.all_gather_receives", "pipelined.pipelined_reduce_scatter_steps",
+    "pipelined.pipelined_all_gather_steps", "fast_ring.fast_reduce_scatter_steps", "fast_ring.fast_all_gather_steps",
+    "fast_ring.fast_ring_reduce_scatter", "fast_ring.fast_ring_all_gather", "fast_ring.fast_ring_all_reduce",
+    "blocks.blocked_all_reduce", "naive.naive_all_reduce", "tree.tree_all_reduce")))
 _NAMES = {"ring_exchange": "ring step", "reduce_scatter": "ring reduce-scatter", "all_gather": "ring all-gather",
           "all_reduce": "ring all-reduce"}
 # Each float's integer of the same width (to compare bits) and its quiet NaN, whose low bits the
@@ -98,7 +104,7 @@ def _run(kind: str, fn: Callable, world_sizes: Sequence[int], sizes: Sequence[Si
     if not callable(fn):
         raise TypeError(f"check_{kind}: pass your function itself, e.g. check_{kind}(my_fn), "
                         f"not {type(fn).__name__}")
-    _refuse_library_code(f"check_{kind}", fn, TOPICS["collectives"], "Write the function yourself (lesson 01 shows how "
+    _refuse_library_code(f"check_{kind}", fn, ANSWERS.exercise, "Write the function yourself (lesson 01 shows how "
                          "the ring works), from point-to-point messages, and pass that.")
     shapes = [(s,) if isinstance(s, int) else tuple(s) for s in sizes]
     if not shapes or any(not shape or min(shape) < 1 for shape in shapes):
@@ -189,7 +195,7 @@ def _run_case(kind: str, fn: Callable, dtype: torch.dtype, shape: tuple, index: 
         got = x.clone()
         args, whole = (got,), x.nbytes
     original, before, version = x.clone(), got.clone(), got._version
-    with watching(TOPICS, p2p_only=True) as watch:
+    with watching(ANSWERS, p2p_only=True) as watch:
         returned = _as_student(progress, lambda: fn(*args))
 
     if kind != "all_reduce" and not torch.equal(x, original):

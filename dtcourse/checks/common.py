@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroup
 
-from dtcourse.checks.guard import COLLECTIVE_METHODS
+from dtcourse.checks.guard import COLLECTIVE_METHODS, course_answer
 from dtcourse.runtime.refuse import ReferenceRefused, is_library_file
 from dtcourse.runtime.launch import LaunchError, LaunchTimeout, RankError, launch
 from dtcourse.runtime.processes import frames
@@ -62,28 +62,28 @@ def _refuse_library_code(check: str, obj: Callable, exercise: str, advice: str,
                          also: tuple[type, ...] = ()) -> None:
     """The course's answer (or a library's) handed to a check is not the student's: refuse it before it runs.
 
-    The references refuse calls that come from a student's frame; one handed to the check itself
-    would be called from the check's own frames, so it is caught here: a function marked as a
-    reference (seen through partials, bound methods and ``functools.wraps``), library code, a class
-    built on a reference class, or one built on any class in ``also`` (PyTorch's DDP, say).
-    ``advice`` says what to pass instead.
+    The course's answers refuse calls that come from a student's frame; one handed to the check itself
+    would be called from the check's own frames, so it is caught here: a function that a check module
+    lists among the course's answers (``ANSWERS``; seen through partials, bound methods and
+    ``functools.wraps``), library code, a class built on one of the course's answers, or one built on
+    any class in ``also`` (PyTorch's DDP, say). ``advice`` says what to pass instead.
     """
     if isinstance(obj, type):
-        theirs = [k for k in obj.__mro__ if "__dtcourse_reference__" in vars(k) or (also and issubclass(k, also))]
+        theirs = [k for k in obj.__mro__ if course_answer(k) or (also and issubclass(k, also))]
         if theirs:
             which = "is" if theirs[0] is obj else f"is built on {theirs[0].__module__}.{theirs[0].__qualname__},"
-            whose = "the course's own answer" if "__dtcourse_reference__" in vars(theirs[0]) else "PyTorch's answer"
+            whose = "the course's own answer" if course_answer(theirs[0]) else "PyTorch's answer"
             raise ReferenceRefused(f"{check} was given {obj.__qualname__}, which {which} {whose} to exercise "
                                    f"{exercise}; it refuses to run while that exercise's checks run. {advice}")
         return
     inner = obj
     while isinstance(inner, functools.partial) or inspect.ismethod(inner):
         inner = inner.func if isinstance(inner, functools.partial) else inner.__func__
-    inner = inspect.unwrap(inner, stop=lambda f: hasattr(f, "__dtcourse_reference__"))
+    inner = inspect.unwrap(inner, stop=lambda f: course_answer(f) is not None)
     if not isinstance(inner, FunctionType) and callable(inner) and not inspect.isbuiltin(inner):
         inner = getattr(type(inner), "__call__", inner)       # an object called like a function
     what = f"{getattr(inner, '__module__', '?')}.{getattr(inner, '__qualname__', repr(inner))}"
-    if hasattr(inner, "__dtcourse_reference__"):
+    if course_answer(inner):
         raise ReferenceRefused(f"{check} was given {what}, the course's own answer to exercise {exercise}; it "
                                f"refuses to run while that exercise's checks run. {advice}")
     if inspect.isbuiltin(inner) or (isinstance(inner, FunctionType) and is_library_file(inner.__code__.co_filename)):

@@ -35,11 +35,16 @@ from torch._C._distributed_c10d import ProcessGroup
 
 from dtcourse.checks.common import (_as_student, _check_names, _launch_check, _refuse_library_code,
                                      _stop_at_first_failure)
-from dtcourse.checks.guard import watching
+from dtcourse.checks.guard import Answers, watching
 
 __all__ = ["check_bucket_assignment", "check_ddp_parity", "check_overlap", "DDP_CASES", "DDP_TOL"]
 
-TOPICS = {"data_parallel": "02"}     # the references refused while these checks run
+# What these checks switch off while the student's code runs (guard.watching), and refuse to be given
+ANSWERS = Answers("02", course=("dtcourse.data_parallel.ddp.DistributedDataParallel",
+                                "dtcourse.data_parallel.buckets.assign_buckets"),
+                  library={"torch.nn.parallel.DistributedDataParallel is switched off while exercise 02's checks run: "
+                           "the exercise asks you to write the bucketing and the overlap yourself":
+                           ("torch.nn.parallel.DistributedDataParallel.__init__",)})
 
 
 _ADVICE = ("Subclass DDPBase, as the exercise's cell does, write grad_ready and finish (and assign_buckets) "
@@ -108,7 +113,7 @@ def check_bucket_assignment(fn: Callable, cases: Sequence[str] = ("mlp",),
     """
     known = _bucket_cases()
     _check_names("check_bucket_assignment", fn, cases, known)
-    _refuse_library_code("check_bucket_assignment", fn, TOPICS["data_parallel"], _ADVICE,
+    _refuse_library_code("check_bucket_assignment", fn, ANSWERS.exercise, _ADVICE,
                          also=(torch.nn.parallel.DistributedDataParallel,))
     _launch_check(getattr(fn, "__name__", "your function"), 1, _buckets_rank, (fn, tuple(cases)), timeout,
                   where="", hint="Does a loop in it never end?")
@@ -122,7 +127,7 @@ def _buckets_rank(fn: Callable, cases: tuple[str, ...], progress: str) -> list:
         params = [torch.zeros(shape, dtype=dtype) for shape, dtype in specs]
         for cap in caps:
             Path(progress, "0").write_text(f"case {name!r} ({description}), cap_bytes={cap}")
-            with watching(TOPICS):
+            with watching(ANSWERS):
                 got = _as_student(progress, lambda: fn(list(params), cap))
             problem = _bucket_problem(got, reference(params, cap), params, cap)
             if problem:
@@ -230,7 +235,7 @@ def check_ddp_parity(cls: Callable, world_sizes: Sequence[int] = (2,), cases: Se
     gradient is N times the mean or the rank's own, or when a handle was never waited on.
     """
     _check_names("check_ddp_parity", cls, cases, DDP_CASES)
-    _refuse_library_code("check_ddp_parity", cls, TOPICS["data_parallel"], _ADVICE,
+    _refuse_library_code("check_ddp_parity", cls, ANSWERS.exercise, _ADVICE,
                          also=(torch.nn.parallel.DistributedDataParallel,))
     bad = [n for n in world_sizes if not isinstance(n, int) or n < 1 or DDP_BATCH % n]
     if bad or steps < 1:
@@ -257,7 +262,7 @@ def check_overlap(cls: Callable, world_sizes: Sequence[int] = (2,), cases: Seque
       ``backward()`` returns.
     """
     _check_names("check_overlap", cls, cases, DDP_CASES)
-    _refuse_library_code("check_overlap", cls, TOPICS["data_parallel"], _ADVICE,
+    _refuse_library_code("check_overlap", cls, ANSWERS.exercise, _ADVICE,
                          also=(torch.nn.parallel.DistributedDataParallel,))
     bad = [n for n in world_sizes if not isinstance(n, int) or n < 2 or DDP_BATCH % n]
     if bad or not world_sizes:
@@ -400,7 +405,7 @@ def _parity_case(cls: Callable, name: str, steps: int, progress: str) -> str | N
     reference, scratch = copy.deepcopy(model), copy.deepcopy(model)
     rows = DDP_BATCH // n
     problem, events = None, []
-    with watching(TOPICS), _deferred_all_reduces(events):
+    with watching(ANSWERS), _deferred_all_reduces(events):
         note.write_text(f"case {name!r} ({case.description}), building the wrapper")
         ddp = _as_student(progress, lambda: cls(model, bucket_cap_mb=case.bucket_cap_mb))
         for step in range(1, steps + 1):
@@ -498,7 +503,7 @@ def _overlap_case(cls: Callable, name: str, progress: str) -> str | None:
         # in its hooks, and runs first once the graph is done: it marks the end of backward proper.
         torch.autograd.Variable._execution_engine.queue_callback(backward_done)
 
-    with watching(TOPICS) as watch, _deferred_all_reduces(events):
+    with watching(ANSWERS) as watch, _deferred_all_reduces(events):
         note.write_text(f"case {name!r} ({case.description}), building the wrapper")
         ddp = _as_student(progress, lambda: cls(model, bucket_cap_mb=case.bucket_cap_mb))
         for pname, p in trainable:    # a tensor hook runs before the gradient is accumulated and its hooks run

@@ -51,13 +51,15 @@ import torch.nn as nn
 
 from dtcourse.checks.common import (_as_student, _check_names, _deadlock, _notes, _read, _refuse_library_code,
                                      _stderr_to_stdout, _tail, _where_stuck)
-from dtcourse.checks.guard import watching
+from dtcourse.checks.guard import Answers, watching
 from dtcourse.runtime.launch import LaunchError, LaunchTimeout, RankError, launch
 
 __all__ = ["check_snapshot_round_trip", "check_snapshot_atomic", "check_snapshot_size", "check_snapshot_resume",
            "ROUND_TRIP_CASES", "ATOMIC_CASES", "RESUME_CASES", "SIZE_SLACK"]
 
-TOPICS = {"fault_tolerance": "12"}        # the references refused while these checks run
+# What these checks switch off while the student's code runs (guard.watching), and refuse to be given
+ANSWERS = Answers("12", course=tuple(f"dtcourse.fault_tolerance.snapshot.{name}" for name in (
+    "rng_state", "set_rng_state", "_atomic_write", "Snapshots.save", "Snapshots.restore")))
 _LABEL = "save_snapshot and load_snapshot"
 _ADVICE = "Write save_snapshot and load_snapshot yourself, in the exercise's cells, and pass those."
 _HINT = ("Does a loop in your code never end, or does it wait for another rank (a barrier, a collective) that "
@@ -119,7 +121,7 @@ def _student(fn: Callable, progress: str, *args: Any) -> Any:
     written to ``progress/stop``, every later attempt returns at once (``_stop_here``), and ``_launch`` reports it.
     """
     try:
-        with watching(TOPICS):
+        with watching(ANSWERS):
             return _as_student(progress, lambda: fn(*args))
     except Exception:
         rank, stop = dist.get_rank(), Path(progress, "stop")
@@ -138,7 +140,7 @@ def _check_functions(check: str, save: Callable, load: Callable, cases: Sequence
     _check_names(check, save, cases, known)
     _check_names(check, load, cases, known)
     for fn in (save, load):
-        _refuse_library_code(check, fn, TOPICS["fault_tolerance"], _ADVICE)
+        _refuse_library_code(check, fn, ANSWERS.exercise, _ADVICE)
 
 
 def _problems(results: list, where: str) -> None:
@@ -388,7 +390,7 @@ def _nothing_saved(load: Callable, setup: _Setup, folder: Path) -> str | None:
     want = _state(model, optimizer, generators=True)
     path = folder / "never-saved" / "rank-0.pt"
     try:
-        with watching(TOPICS):
+        with watching(ANSWERS):
             got = load(path, model, optimizer)
     except Exception as exc:
         return (f"load_snapshot on a path where nothing was saved yet raised {type(exc).__name__}: {exc}. The first "
@@ -615,7 +617,7 @@ def _unwritable(save: Callable, folder: Path) -> str | None:
     blocker.write_text("")
     path = blocker / "rank-0.pt"                  # a directory that is a file: nothing can be written there
     try:
-        with watching(TOPICS):
+        with watching(ANSWERS):
             save(path, 1, *_atomic_state(1))
     except Exception:
         return None

@@ -2,16 +2,16 @@
 
 ``watching`` wraps the student's call::
 
-    with watching({"collectives": "01"}, p2p_only=True) as watch:
+    with watching(ANSWERS, p2p_only=True) as watch:
         student_fn(tensor)
     watch.sent        # [(peer, nbytes), ...]: every message this rank sent, in order
 
 Inside the block:
 
-* the course's reference answers for the listed topics refuse calls from the student's code
-  (``dtcourse.runtime.refuse``), and so does PyTorch's own answer where it has one
-  (``_library_answers``): ``torch.utils.checkpoint`` in both forms, ``DistributedDataParallel``,
-  ``torch.amp.GradScaler``;
+* the answers that the check module lists in ``ANSWERS`` (an ``Answers``) refuse calls from the
+  student's code (``dtcourse.runtime.refuse``): the course's own, found by dotted name, and
+  PyTorch's where it has one (``torch.utils.checkpoint`` in both forms, ``DistributedDataParallel``,
+  ``torch.amp.GradScaler``), each switched off where it is looked up at every call;
 * with ``p2p_only``, every collective of the process group raises when the student's code calls
   it. The guard sits on the ``ProcessGroup`` methods that ``torch.distributed``'s functions call,
   so a reference to ``dist.all_reduce`` saved before the check, or one taken through
@@ -26,19 +26,84 @@ Everything is put back when the block ends, whatever happens in it.
 
 from __future__ import annotations
 
+import functools
+import importlib
+import os
+import pkgutil
 import sys
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from types import FunctionType
+from types import FrameType
 from typing import Callable, Iterator, Mapping
 
 import torch
 from torch._C._distributed_c10d import ProcessGroup
 
 from dtcourse.runtime.observe import COLLECTIVE_METHODS, patched
-from dtcourse.runtime.refuse import refuse_if_student, refusing
+from dtcourse.runtime.refuse import refuse_if_student, refusing, switched_off
 
-__all__ = ["Watch", "watching", "COLLECTIVE_METHODS"]
+__all__ = ["Answers", "Watch", "watching", "course_answer", "COLLECTIVE_METHODS"]
+
+
+@dataclass(frozen=True)
+class Answers:
+    """What one exercise's checks switch off while the student's code runs: its answers, ours and PyTorch's.
+
+    ``course``: the course's own answers, by dotted name (or the objects): functions, methods and
+    classes (a class refuses in ``__init__``, so a student's subclass refuses too); each refuses with
+    "<name> is the course's own answer to exercise <exercise>". A function is refused by whatever
+    name the student reaches it by, re-exports and names bound before the check included.
+    ``library``: why -> the dotted names of attributes that another answer (PyTorch's, mostly) looks
+    up at every call; each refuses with ``why``. A name ending in ``?`` may be missing (another torch).
+    """
+
+    exercise: str
+    course: tuple[str | Callable, ...] = ()
+    library: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+
+    def course_objects(self) -> list[Callable]:
+        return [pkgutil.resolve_name(name) if isinstance(name, str) else name for name in self.course]
+
+    def library_attributes(self) -> list[tuple[object, str, str]]:
+        """``(owner, attribute, why)`` for each of ``library`` there is."""
+        found = []
+        for why, names in self.library.items():
+            for name in names:
+                owner, _, attribute = name.rstrip("?").rpartition(".")
+                owner = pkgutil.resolve_name(owner)
+                if hasattr(owner, attribute) or not name.endswith("?"):
+                    found.append((owner, attribute, why))
+        return found
+
+    @contextmanager
+    def switched_off(self, boundary: FrameType) -> Iterator[None]:
+        with ExitStack() as stack:
+            stack.enter_context(refusing(self.course_objects(), self.exercise, boundary))
+            for owner, attribute, why in self.library_attributes():
+                stack.enter_context(switched_off(owner, attribute, why, boundary))
+            yield
+
+
+def declared() -> dict[str, Answers]:
+    """Every exercise's ``ANSWERS``, by the stem of its check module."""
+    package = __name__.rpartition(".")[0]
+    modules = (importlib.import_module(f"{package}.{found.name}")
+               for found in pkgutil.iter_modules([os.path.dirname(__file__)]))
+    return {module.__name__.rpartition(".")[2]: module.ANSWERS for module in modules if hasattr(module, "ANSWERS")}
+
+
+def course_answer(obj: object) -> tuple[str, str] | None:
+    """``(stem, exercise)`` of the check module that lists ``obj`` among the course's answers; None if none does."""
+    obj = getattr(obj, "__func__", obj)
+    found = _course_answers().get(id(obj))
+    return found[1:] if found and found[0] is obj else None
+
+
+@functools.lru_cache(maxsize=1)
+def _course_answers() -> dict[int, tuple[object, str, str]]:
+    return {id(obj): (obj, stem, answers.exercise)
+            for stem, answers in declared().items() for obj in answers.course_objects()}
+
 
 @dataclass
 class Watch:
@@ -61,13 +126,13 @@ def _nbytes(tensors) -> int:
     return 0
 
 
-def _collective(name: str, original: Callable, watch: Watch, p2p_only: bool) -> Callable:
+def _collective(name: str, original: Callable, watch: Watch, p2p_only: bool, boundary: FrameType) -> Callable:
     def call(self, *args, **kwargs):
         if p2p_only:
-            refuse_if_student("p2p-only", name, why=(
+            refuse_if_student(
                 f"your code called a collective ({name} on the process group, which torch.distributed's "
                 "collectives call); build it from point-to-point messages only (isend/irecv, send/recv or "
-                "batch_isend_irecv)"))
+                "batch_isend_irecv)", boundary)
         watch.collectives.append((name, _nbytes(args[:2])))
         return original(self, *args, **kwargs)
     return call
@@ -80,73 +145,18 @@ def _point_to_point(log: list, original: Callable) -> Callable:
     return call
 
 
-def _library_answers(topic: str, exercise: str) -> tuple[str, list[tuple[object, str]]]:
-    """PyTorch's own answer to an exercise: why it is off, and the (owner, attribute) pairs to guard.
-
-    Each pair is what the answer looks up at every call, so a name the student bound before the
-    check is caught too (``torch.utils.checkpoint.checkpoint`` reaches ``CheckpointFunction.apply``
-    or the non-reentrant generator through its module on each call).
-    """
-    if topic == "checkpointing":
-        import torch.utils.checkpoint as tc
-        return (f"torch.utils.checkpoint is switched off while exercise {exercise}'s checks run: the exercise "
-                "asks you to write the checkpointing yourself",
-                [(tc.CheckpointFunction, "apply")]     # torch 2.15 calls the generator's _impl directly
-                + [(tc, name) for name in ("_checkpoint_without_reentrant_generator",
-                                           "_checkpoint_without_reentrant_generator_impl") if hasattr(tc, name)])
-    if topic == "data_parallel":
-        return (f"torch.nn.parallel.DistributedDataParallel is switched off while exercise {exercise}'s checks "
-                "run: the exercise asks you to write the bucketing and the overlap yourself",
-                [(torch.nn.parallel.DistributedDataParallel, "__init__")])
-    if topic == "mixed_precision":
-        return (f"torch.amp.GradScaler is what your scaler is compared with, so it refuses to run for your code "
-                f"while exercise {exercise}'s checks run: write step() and update() yourself",
-                [(torch.amp.GradScaler, name) for name in ("__init__", "scale", "unscale_", "step", "update")]
-                + [(torch, "_amp_update_scale_")])
-    return "", []
-
-
 @contextmanager
-def _switched_off(owner: object, name: str, topic: str, why: str) -> Iterator[None]:
-    """``owner.name`` refuses calls from the student's code (the check's own calls run as usual)."""
-    missing = object()
-    raw = vars(owner).get(name, missing)      # what to put back; missing if a class inherits it
-    target = getattr(owner, name)
-    what = f"{getattr(owner, '__name__', owner)}.{name}"
-
-    def call(*args, **kwargs):
-        refuse_if_student(topic, what, why)
-        return target(*args, **kwargs)
-
-    # a method defined on the class stays a method; a static, class or inherited one is already bound
-    plain = not isinstance(owner, type) or isinstance(raw, FunctionType)
-    setattr(owner, name, call if plain else staticmethod(call))
-    try:
-        yield
-    finally:
-        if raw is missing:
-            delattr(owner, name)
-        else:
-            setattr(owner, name, raw)
-
-
-@contextmanager
-def watching(topics: Mapping[str, str], p2p_only: bool = False) -> Iterator[Watch]:
-    """Refuse the references of ``topics`` (topic -> exercise), and record the process group's traffic."""
+def watching(answers: Answers | None = None, p2p_only: bool = False) -> Iterator[Watch]:
+    """Switch off ``answers`` (an exercise's ``ANSWERS``) for the student's code; record the process group's traffic."""
     watch = Watch()
-    exercise = next(iter(topics.values()), "")
+    boundary = sys._getframe(2)    # the frame that entered `with watching(...)`: where the check's own frames end
     with ExitStack() as stack:
-        # the frame that entered `with watching(...)` is where the check's own frames end
-        stack.enter_context(refusing({**topics, **({"p2p-only": exercise} if p2p_only else {})},
-                                     boundary=sys._getframe(2)))
-        for topic, exercise_of_topic in topics.items():
-            why, pairs = _library_answers(topic, exercise_of_topic)
-            for owner, name in pairs:
-                stack.enter_context(_switched_off(owner, name, topic, why))
+        if answers is not None:
+            stack.enter_context(answers.switched_off(boundary))
         for name in COLLECTIVE_METHODS:
             if name in ProcessGroup.__dict__:
-                stack.enter_context(patched(ProcessGroup, name,
-                                            lambda original, n=name: _collective(n, original, watch, p2p_only)))
+                stack.enter_context(patched(ProcessGroup, name, lambda original, n=name: _collective(
+                    n, original, watch, p2p_only, boundary)))
         stack.enter_context(patched(ProcessGroup, "send", lambda original: _point_to_point(watch.sent, original)))
         stack.enter_context(patched(ProcessGroup, "recv",
                                     lambda original: _point_to_point(watch.received, original)))

@@ -13,7 +13,7 @@ difference (per parameter or per tensor where it is a whole number of them)::
 
 A wrong number that is exactly what a known mistake gives (16-bit weights counted as fp32, the
 master weights inside the optimizer states, Adam's ``step`` or the biases left out, ...) gets that
-mistake named. ``fn`` runs inside ``watching({"memory": "00"})``, where the course's measurements
+mistake named. ``fn`` runs inside ``watching(ANSWERS)``, where the course's measurements
 and predictions (``measure_step``, ``SavedTensors``, ...) refuse to run for it.
 
 Why exact equality: on the CPU the measurement is the sum of real tensors' sizes, to the byte,
@@ -30,7 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dtcourse.checks.common import _as_student, _check_names, _launch_check
-from dtcourse.checks.guard import watching
+from dtcourse.checks.guard import Answers, watching
 
 __all__ = ["check_model_states", "check_activations", "MODEL_STATE_CASES", "ACTIVATION_CASES", "OPTIMIZERS",
            "ACTIVATIONS"]
@@ -48,7 +48,9 @@ ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {"relu": nn.ReLU, "gelu": nn.G
 MODEL_KINDS = ("params", "grads", "master_weights", "optimizer_states")
 _BF16, _FP16 = torch.bfloat16, torch.float16
 _RECIPES = ("sgd", "sgd_momentum", "adam")
-_TOPICS = {"memory": "00"}
+# What these checks switch off while the student's code runs (guard.watching), and refuse to be given
+ANSWERS = Answers("00", course=tuple(f"dtcourse.memory.{name}" for name in (
+    "SavedTensors", "measure_step", "predict_step", "mlp_activation_bytes")))
 
 # name -> (description, [(sizes, optimizer, mixed dtype or None), ...])
 MODEL_STATE_CASES = {
@@ -242,7 +244,7 @@ def _model_states_rank(fn: Callable, kind: str, cases: tuple[str, ...], progress
                                 mixed_dtype=dtype)
             measured = {"params": step.params, "grads": step.grads, "master_weights": step.master_weights,
                         "optimizer_states": step.optimizer_states - step.master_weights}[kind]
-            with watching(_TOPICS):            # the course's measurements refuse to run for fn
+            with watching(ANSWERS):            # the course's measurements refuse to run for fn
                 got = _as_student(progress, lambda: fn(sizes, optimizer, mixed))
             if not isinstance(got, dict):
                 return [where, f"{call} returned {got!r}; it must return a dict with the keys {list(MODEL_KINDS)}"]
@@ -330,7 +332,7 @@ def _activations_rank(fn: Callable, cases: tuple[str, ...], progress: str) -> li
             Path(progress, "0").write_text(f"{where}, {call}")
             model, batch = _mlp(sizes, activation), regression_batch(batch_size, sizes[0], sizes[-1])
             measured = measure_step(model, batch, F.mse_loss, OPTIMIZERS["sgd"], mixed_dtype=dtype).activations
-            with watching(_TOPICS):            # the course's measurements refuse to run for fn
+            with watching(ANSWERS):            # the course's measurements refuse to run for fn
                 got = _as_student(progress, lambda: fn(sizes, batch_size, activation, mixed))
             value = _as_bytes(got, call)
             if isinstance(value, str):

@@ -11,7 +11,7 @@ gradients still multiplied by the scale, or divided by it twice::
 
     check_loss_scaler(DynamicLossScaler, cases=("growth", "nan"))
 
-The student's scaler runs inside ``watching({"mixed_precision": "04"})``: there the course's own
+The student's scaler runs inside ``watching(ANSWERS)``: there the course's own
 scalers (``dtcourse.mixed_precision.LossScaler`` and ``DynamicLossScaler``, their ``step``,
 ``update`` and ``_next_scale``) and ``torch.amp.GradScaler``, the check's reference, refuse to run
 for the student's code; a class that is or subclasses the course's scaler is refused at once.
@@ -28,14 +28,20 @@ import torch
 import torch.nn.functional as F
 
 from dtcourse.checks.common import _as_student, _check_names, _launch_check
-from dtcourse.checks.guard import watching
+from dtcourse.checks.guard import Answers, watching
 from dtcourse.mixed_precision import LossScaler
 from dtcourse.runtime.refuse import ReferenceRefused
 
 __all__ = ["check_loss_scaler", "SCALER_CASES"]
 
 INF, NAN = math.inf, math.nan
-_TOPICS = {"mixed_precision": "04"}
+# What these checks switch off while the student's code runs (guard.watching), and refuse to be given
+ANSWERS = Answers("04", course=tuple(f"dtcourse.mixed_precision.{name}" for name in (
+    "LossScaler", "LossScaler.step", "LossScaler.update", "DynamicLossScaler", "DynamicLossScaler._next_scale")),
+    library={"torch.amp.GradScaler is what your scaler is compared with, so it refuses to run for your code while "
+             "exercise 04's checks run: write step() and update() yourself":
+             (*(f"torch.amp.GradScaler.{name}" for name in ("__init__", "scale", "unscale_", "step", "update")),
+              "torch._amp_update_scale_")})
 
 
 @dataclass(frozen=True)
@@ -102,7 +108,7 @@ def _refuse_the_course_scaler(cls: Callable) -> None:
 
 
 def _scaler_rank(cls: Callable, cases: tuple[str, ...], progress: str) -> list:
-    with watching(_TOPICS):
+    with watching(ANSWERS):
         for name in cases:
             case = SCALER_CASES[name]
             label = f"case {name!r} ({case.description})"

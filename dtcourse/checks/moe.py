@@ -43,13 +43,15 @@ from torch._C._distributed_c10d import ProcessGroup
 
 from dtcourse.checks.common import (_as_student, _check_names, _GroupPlace, _launch_check, _refuse_library_code,
                                      _SideBySide, _stop_at_first_failure)
-from dtcourse.checks.guard import _nbytes, watching
+from dtcourse.checks.guard import Answers, _nbytes, watching
 from dtcourse.models.moe import MoE, Routing, capacity, route
 
 __all__ = ["check_moe_positions", "check_moe_dispatch", "check_moe_combine", "MOE_CASES", "POSITION_CASES",
            "MOE_TOL"]
 
-TOPICS = {"moe": "11"}       # the references refused while these checks run
+# What these checks switch off while the student's code runs (guard.watching), and refuse to be given
+ANSWERS = Answers("11", course=("dtcourse.models.moe.positions_in_expert", "dtcourse.moe.dispatch.dispatch_padded",
+                                "dtcourse.moe.dispatch._add_up", "dtcourse.moe.dispatch.combine_padded"))
 
 
 class _Case(_SideBySide):
@@ -114,7 +116,7 @@ def _randn(shape: tuple[int, ...], seed: int) -> torch.Tensor:
 
 def _reference_positions(experts: torch.Tensor, n_expert: int) -> torch.Tensor:
     from dtcourse.models.moe import positions_in_expert
-    return positions_in_expert.__wrapped__(experts, n_expert)       # the check's own call, outside any refusal
+    return positions_in_expert(experts, n_expert)       # the check's own call: no student frame on its stack
 
 
 # --------------------------------------------------------------------------- #
@@ -270,7 +272,7 @@ def check_moe_positions(fn: Callable, cases: Sequence[str] = ("small",), timeout
     The first difference names the example, the token, the choice and the expert, with the expert's queue.
     """
     _check_names("check_moe_positions", fn, cases, POSITION_CASES)
-    _refuse_library_code("check_moe_positions", fn, TOPICS["moe"], _ADVICE)
+    _refuse_library_code("check_moe_positions", fn, ANSWERS.exercise, _ADVICE)
     _launch_check(getattr(fn, "__name__", "your function"), 1, _positions_rank, (fn, tuple(cases)), timeout,
                   where="", hint="Does a loop in it never end?")
 
@@ -281,7 +283,7 @@ def _positions_rank(fn: Callable, cases: tuple[str, ...], progress: str) -> list
         for label, experts, n_expert in _position_examples(name):
             Path(progress, "0").write_text(f"{where}, {label}")
             given = experts.clone()
-            with watching(TOPICS):
+            with watching(ANSWERS):
                 got = _as_student(progress, lambda: fn(given, n_expert))
             problem = _positions_problem(got, experts, n_expert, label)
             if problem is None and not torch.equal(given, experts):
@@ -397,7 +399,7 @@ def _launch(check: str, label: str, rank_case: Callable, students: tuple, cases:
             timeout: float | None) -> None:
     for student in students:
         _check_names(check, student, cases, MOE_CASES)
-        _refuse_library_code(check, student, TOPICS["moe"], _ADVICE)
+        _refuse_library_code(check, student, ANSWERS.exercise, _ADVICE)
     chosen = [case for name in cases for case in MOE_CASES[name][1]]
     for world in sorted({case.world for case in chosen}):
         mine = tuple(case for case in chosen if case.world == world)
@@ -438,7 +440,7 @@ def _dispatch_case(dispatch: Callable, place: _Place, cfg: _Config, progress: st
     want = _expected_received(tokens, routings, r, local)                     # (ep·E/ep·C, d)
     ups = [_randn((ep * local * C, D), place.seed + 50 + q) for q in range(ep)]
     x, routing = tokens[r].clone().requires_grad_(), routings[r]
-    with watching(TOPICS), place.recording():
+    with watching(ANSWERS), place.recording():
         place.at("dispatch's forward")
         got = _student(progress, lambda: dispatch(x, routing, cfg.E, place.group), routing, cfg.E, place)
         problem = _form("dispatch(tokens, routing, n_expert, group)", got, want, "(ep·E/ep·C, d)")
@@ -562,7 +564,7 @@ def _layer_case(positions_in_expert: Callable, dispatch: Callable, combine: Call
     want = _one_process(full, xs, ups, r, mine)
     router, experts = copy.deepcopy(full.router), {e: copy.deepcopy(full.experts[e]) for e in mine}
     x = xs[r].reshape(N, D).clone().requires_grad_()
-    with watching(TOPICS), place.recording():
+    with watching(ANSWERS), place.recording():
         place.at("forward, positions_in_expert")
         logits = router(x)                                                       # (N, E)
         probs = F.softmax(logits, dim=-1)

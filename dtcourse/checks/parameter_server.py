@@ -14,7 +14,7 @@ consistency model promises:
 * ``check_sync_parity``: with s = 0 the run equals one process on the averaged gradients;
 * ``check_hang``: a worker that hangs ends the run within the server's timeout, named.
 
-The student's class runs inside ``watching({"parameter_server": "03"})``, where the course's own
+The student's class runs inside ``watching(ANSWERS)``, where the course's own
 ``ParameterServer`` refuses to run for it; a class that is or subclasses it is refused at once.
 Every failure is one AssertionError that names the case, the worker, the iteration and the numbers::
 
@@ -33,7 +33,7 @@ import torch
 from torch.nn.utils import parameters_to_vector
 
 from dtcourse.checks.common import _where_stuck
-from dtcourse.checks.guard import watching
+from dtcourse.checks.guard import Answers, watching
 from dtcourse.parameter_server import (Fault, ParameterServer, ParameterServerError, Problem, PSConfig, PSRun,
                                        ServerResult, reference_sgd, staleness, train)
 from dtcourse.runtime.launch import LaunchTimeout
@@ -61,7 +61,9 @@ def _describe(config: PSConfig) -> str:
             f"iterations" + (f", {', '.join(slow)} per iteration" if slow else ""))
 
 
-_TOPICS = {"parameter_server": "03"}
+# What these checks switch off while the student's code runs (guard.watching), and refuse to be given
+ANSWERS = Answers("03", course=("dtcourse.parameter_server.server.ParameterServer",
+                                "dtcourse.parameter_server.server.ParameterServer.serve"))
 
 
 def _refuse_the_course_server(cls: Callable) -> None:
@@ -85,11 +87,11 @@ def _watched(cls: Callable, started: str | None = None) -> type:
             if started is not None:
                 with open(os.path.join(started, f"{os.getpid()}"), "w") as f:
                     f.write(repr(time.time()))
-            with watching(_TOPICS):
+            with watching(ANSWERS):
                 self.server = cls(config, problem, group)
 
         def serve(self) -> ServerResult:
-            with watching(_TOPICS):
+            with watching(ANSWERS):
                 return self.server.serve()
     return Watched
 

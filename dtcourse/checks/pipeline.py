@@ -27,7 +27,6 @@ it runs, the course's ``one_f_one_b`` and torch's ``Schedule1F1B`` order refuse 
 from __future__ import annotations
 
 import copy
-from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
@@ -37,12 +36,16 @@ import torch.distributed as dist
 
 from dtcourse.checks.common import (_as_student, _check_names, _launch_check, _refuse_library_code,
                                      _stop_at_first_failure, _student_error)
-from dtcourse.checks.guard import _switched_off, watching
+from dtcourse.checks.guard import Answers, watching
 from dtcourse.pipeline.actions import COMMUNICATION, STEP, Action, Schedule
 
 __all__ = ["check_1f1b_valid", "check_1f1b_order", "check_1f1b_run", "SCHEDULE_CASES", "RUN_CASES", "RUN_TOL"]
 
-TOPICS = {"pipeline": "08"}        # the references refused while these checks run
+# What these checks switch off while the student's code runs (guard.watching), and refuse to be given
+ANSWERS = Answers("08", course=("dtcourse.pipeline.schedules.one_f_one_b",),
+                  library={"torch's Schedule1F1B order is switched off while exercise 08's checks run: the exercise "
+                           "asks you to write the 1F1B order yourself":
+                           ("torch.distributed.pipelining.schedules.Schedule1F1B._get_pipeline_order",)})
 
 # (p, m) pairs per case: every m below p (the warm-up cap), m not a multiple of p, m = 1, m = p. The most
 # ranks and micro-batches come first: there every phase is long, and no two usual mistakes look alike.
@@ -74,7 +77,7 @@ _HINT = ("This is most likely a deadlock: a rank waits for an activation or a gr
 # --------------------------------------------------------------------------- #
 def _reference(p: int, m: int) -> Schedule:
     from dtcourse.pipeline.schedules import one_f_one_b
-    return one_f_one_b.__wrapped__(p, m)        # the check's own call, outside any refusal
+    return one_f_one_b(p, m)        # the check's own call: no student frame on its stack
 
 
 def _variant(p: int, m: int, warmup: Callable[[int], int], steady: str = "FB", cooldown: bool = True,
@@ -199,11 +202,7 @@ def _as_schedule(got: object, p: int, m: int) -> tuple[Schedule | None, str | No
 
 
 def _call(fn: Callable, p: int, m: int, progress: str) -> object:
-    with watching(TOPICS), ExitStack() as stack:
-        from torch.distributed.pipelining.schedules import Schedule1F1B
-        stack.enter_context(_switched_off(Schedule1F1B, "_get_pipeline_order", "pipeline",
-                                          "torch's Schedule1F1B order is switched off while exercise 08's checks "
-                                          "run: the exercise asks you to write the 1F1B order yourself"))
+    with watching(ANSWERS):
         return _as_student(progress, lambda: fn(p, m))
 
 
@@ -250,7 +249,7 @@ def check_1f1b_valid(fn: Callable, cases: Sequence[str] = ("small",), timeout: f
     message: the rank, the step, the action and what it is missing (or which ranks wait on each other).
     """
     _check_names("check_1f1b_valid", fn, cases, SCHEDULE_CASES)
-    _refuse_library_code("check_1f1b_valid", fn, TOPICS["pipeline"], _ADVICE)
+    _refuse_library_code("check_1f1b_valid", fn, ANSWERS.exercise, _ADVICE)
     _launch_check(getattr(fn, "__name__", "your function"), 1, _schedules_rank, (fn, tuple(cases), False),
                   timeout, where="", hint="Does a loop in it never end?")
 
@@ -263,7 +262,7 @@ def check_1f1b_order(fn: Callable, cases: Sequence[str] = ("small",), timeout: f
     simulated bubble beside 1F1B's, and which usual mistake it is when it is one.
     """
     _check_names("check_1f1b_order", fn, cases, SCHEDULE_CASES)
-    _refuse_library_code("check_1f1b_order", fn, TOPICS["pipeline"], _ADVICE)
+    _refuse_library_code("check_1f1b_order", fn, ANSWERS.exercise, _ADVICE)
     _launch_check(getattr(fn, "__name__", "your function"), 1, _schedules_rank, (fn, tuple(cases), True),
                   timeout, where="", hint="Does a loop in it never end?")
 
@@ -317,7 +316,7 @@ def check_1f1b_run(fn: Callable, cases: Sequence[str] = ("small",), timeout: flo
     activations at once (``PipelineExecutor.peak_held_rank``).
     """
     _check_names("check_1f1b_run", fn, cases, RUN_CASES)
-    _refuse_library_code("check_1f1b_run", fn, TOPICS["pipeline"], _ADVICE)
+    _refuse_library_code("check_1f1b_run", fn, ANSWERS.exercise, _ADVICE)
     runs: dict[int, list[int]] = {}
     for name in cases:
         for p, ms in RUN_CASES[name][1].items():

@@ -32,10 +32,9 @@ same seed, so each computes what it expects with no communication. While the stu
 from __future__ import annotations
 
 import copy
-from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -45,12 +44,20 @@ from torch._C._distributed_c10d import ProcessGroup
 
 from dtcourse.checks.common import (_as_student, _check_names, _GroupPlace, _launch_check, _refuse_library_code,
                                      _SideBySide, _stop_at_first_failure, _student_error)
-from dtcourse.checks.guard import _nbytes, _switched_off, watching
+from dtcourse.checks.guard import Answers, _nbytes, watching
 
 __all__ = ["check_f_and_g", "check_column_parallel", "check_row_parallel", "check_parallel_mlp", "TP_CASES",
            "TP_TOL"]
 
-TOPICS = {"tensor_parallel": "09"}       # the references refused while these checks run
+# What these checks switch off while the student's code runs (guard.watching), and refuse to be given
+ANSWERS = Answers("09", course=("dtcourse.tensor_parallel.layers.ColumnParallelLinear",
+                                "dtcourse.tensor_parallel.layers.RowParallelLinear",
+                                "dtcourse.tensor_parallel.communications.copy_to_tensor_parallel",
+                                "dtcourse.tensor_parallel.communications.reduce_from_tensor_parallel"),
+                  library={"dtcourse.tensor_parallel's f and g are switched off while exercise 09's checks run: the "
+                           "exercise asks you to write them yourself":   # the autograd functions behind f and g
+                           ("dtcourse.tensor_parallel.communications._CopyToTensorParallel.apply",
+                            "dtcourse.tensor_parallel.communications._ReduceFromTensorParallel.apply")})
 
 
 class _Case(_SideBySide):
@@ -152,18 +159,6 @@ def _randn(shape: tuple[int, ...], seed: int) -> torch.Tensor:
 def _linear(n_in: int, n_out: int, seed: int) -> nn.Linear:
     torch.manual_seed(seed)           # the same full layer on every rank
     return nn.Linear(n_in, n_out)
-
-
-@contextmanager
-def _off() -> Iterator[None]:
-    """The course's autograd functions behind its f and g refuse the student's calls too."""
-    from dtcourse.tensor_parallel import communications as comm
-    why = ("dtcourse.tensor_parallel's f and g are switched off while exercise 09's checks run: the exercise asks "
-           "you to write them yourself")
-    with ExitStack() as stack:
-        for owner in (comm._CopyToTensorParallel, comm._ReduceFromTensorParallel):
-            stack.enter_context(_switched_off(owner, "apply", "tensor_parallel", why))
-        yield
 
 
 # --------------------------------------------------------------------------- #
@@ -268,7 +263,7 @@ def _launch(check: str, label: str, rank_case: Callable, students: tuple, cases:
             timeout: float | None) -> None:
     for student in students:
         _check_names(check, student, cases, TP_CASES)
-        _refuse_library_code(check, student, TOPICS["tensor_parallel"], _ADVICE)
+        _refuse_library_code(check, student, ANSWERS.exercise, _ADVICE)
     chosen = [case for name in cases for case in TP_CASES[name][1]]
     for world in sorted({case.world for case in chosen}):
         mine = tuple(case for case in chosen if case.world == world)
@@ -304,7 +299,7 @@ def _f_and_g_case(f: Callable, g: Callable, place: _Place, progress: str) -> str
     own = ("it is this rank's own gradient, not the sum over the group: f's backward must all-reduce it (every rank "
            "used the whole input, so each holds one part of its gradient)")
     cut = "autograd never reaches {0}'s backward: return what your autograd.Function's apply returns"
-    with watching(TOPICS), _off(), place.recording():
+    with watching(ANSWERS), place.recording():
         place.at("f's forward")
         y = _as_student(progress, lambda: f(x, place.group))
         problem = (_mismatch("f(x, group)", y, x.detach(), [(place.t * x.detach(), _F_FORWARD)], than="x")
@@ -355,7 +350,7 @@ def _column_case(cls: Callable, place: _Place, progress: str) -> str | None:
     out.backward(up)
     partial_grad = up[..., rows] @ full.weight.detach()[rows]               # (B, T, C): through this slice only
     xin = x.clone().requires_grad_()
-    with watching(TOPICS), _off(), place.recording():
+    with watching(ANSWERS), place.recording():
         layer = _as_student(progress, lambda: cls(full, place.group))
         problem = (place.traffic(f"{name}(full, group)", None, "every rank cuts its slice from the same full layer")
                    or _held_problem(layer, name, serial, 0, place))
@@ -402,7 +397,7 @@ def _row_case(cls: Callable, place: _Place, progress: str) -> str | None:
     out.backward(up)
     xin = x[..., cols].clone().requires_grad_()
     partial_out = F.linear(x[..., cols], full.weight.detach()[:, cols])       # this rank's partial sum
-    with watching(TOPICS), _off(), place.recording():
+    with watching(ANSWERS), place.recording():
         layer = _as_student(progress, lambda: cls(full, place.group))
         problem = (place.traffic(f"{name}(full, group)", None, "every rank cuts its slice from the same full layer")
                    or _held_problem(layer, name, serial, 1, place))
@@ -455,7 +450,7 @@ def _mlp_case(column: Callable, row: Callable, place: _Place, progress: str) -> 
     (F.linear(F.gelu(F.linear(xp, fc.weight.detach()[cut], fc.bias.detach()[cut])), proj.weight.detach()[:, cut])
      * up).sum().backward()
     xin = x.clone().requires_grad_()
-    with watching(TOPICS), _off(), place.recording():
+    with watching(ANSWERS), place.recording():
         layers = _as_student(progress, lambda: (column(fc, place.group), row(proj, place.group)))
         problem = (place.traffic("building the layers", None, "every rank cuts its slices from the same full layers")
                    or _held_problem(layers[0], "ColumnParallelLinear", serial[0], 0, place)

@@ -41,12 +41,13 @@ import torch.nn as nn
 
 from dtcourse.checks.common import (_as_student, _check_names, _launch_check, _noting_calls, _refuse_library_code,
                                      _stop_at_first_failure)
-from dtcourse.checks.guard import _nbytes, watching
+from dtcourse.checks.guard import Answers, _nbytes, watching
 
 __all__ = ["check_zero_gradients", "check_zero_memory", "check_zero_parity", "check_zero_traffic",
            "ZERO_CASES", "ZERO_TOL", "OPTIMIZERS"]
 
-TOPICS = {"zero": "06"}       # the references refused while these checks run
+# What these checks switch off while the student's code runs (guard.watching), and refuse to be given
+ANSWERS = Answers("06", course=("dtcourse.zero.flat.FlatShard", "dtcourse.zero.sharded.ZeRO"))
 ZERO_BATCH = 60               # global batch: every world size checked (1 to 6) divides it
 # float32 throughout. The mean over N ranks of means over B/N rows adds the same terms as one mean
 # over B rows in another order: gradients differ by a few ulps. AdamW's first steps move a parameter
@@ -296,7 +297,7 @@ class _Run:
         return {n: p.grad for n, p in scratch.named_parameters()}
 
     def recording(self):
-        """Inside ``watching(TOPICS)``: everything the student's code sends, recorded in ``self.log``.
+        """Inside ``watching(ANSWERS)``: everything the student's code sends, recorded in ``self.log``.
 
         ``watching`` itself must be entered by the function that runs the student's code: the frame
         that enters it is where the check's own frames end (``dtcourse.runtime.refuse``).
@@ -322,7 +323,7 @@ def _each(cls: Callable, names: tuple[str, ...], progress: str, run_case: Callab
 
 def _validate(check: str, cls: Callable, world_sizes: Sequence[int], cases: Sequence[str], least: int) -> None:
     _check_names(check, cls, cases, ZERO_CASES)
-    _refuse_library_code(check, cls, TOPICS["zero"], _ADVICE)
+    _refuse_library_code(check, cls, ANSWERS.exercise, _ADVICE)
     bad = [n for n in world_sizes if not isinstance(n, int) or n < least or ZERO_BATCH % n]
     if bad or not world_sizes:
         raise ValueError(f"{check}: world sizes must be at least {least} and divide the batch of {ZERO_BATCH}, "
@@ -361,7 +362,7 @@ def _gradients_rank(cls: Callable, names: tuple[str, ...], progress: str) -> lis
 
 def _gradients_case(cls: Callable, name: str, progress: str) -> str | None:
     run = _Run(cls, name, "sgd", progress)
-    with watching(TOPICS), run.recording():
+    with watching(ANSWERS), run.recording():
         wrapper = run.build()
         run.forward_backward(wrapper, step=1)
     buckets, problem = _buckets_of(wrapper, run.layouts)
@@ -441,7 +442,7 @@ def _memory_rank(cls: Callable, names: tuple[str, ...], progress: str) -> list:
 def _memory_case(cls: Callable, name: str, progress: str) -> str | None:
     run = _Run(cls, name, "sgd", progress)
     arrivals: list[tuple[str, int, dict[str, int]]] = []    # (parameter, collectives so far, .grad bytes alive)
-    with watching(TOPICS), run.recording():
+    with watching(ANSWERS), run.recording():
         wrapper = run.build()
         named = [(n, p) for n, p in run.model.named_parameters() if p.requires_grad]
 
@@ -608,7 +609,7 @@ def _parity_case(cls: Callable, name: str, progress: str, optimizers: tuple[str,
 
 def _parity_run(run: _Run, optimizer: str, steps: int) -> str | None:
     reference_optimizer = OPTIMIZERS[optimizer][1](run.reference.parameters())
-    with watching(TOPICS), run.recording():
+    with watching(ANSWERS), run.recording():
         wrapper = run.build()
         for step in range(1, steps + 1):
             before = {n: p.detach().clone() for n, p in run.model.named_parameters()}
@@ -683,7 +684,7 @@ def _traffic_rank(cls: Callable, names: tuple[str, ...], steps: int, progress: s
 
 def _traffic_case(cls: Callable, name: str, progress: str, steps: int) -> str | None:
     run = _Run(cls, name, "adamw", progress)
-    with watching(TOPICS), run.recording():
+    with watching(ANSWERS), run.recording():
         wrapper = run.build()
         problem = _optimizer_given(run)
         if problem:

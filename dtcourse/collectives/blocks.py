@@ -27,7 +27,6 @@ from dtcourse.collectives.messages import (ALL_GATHER_TAG, ByteCounter, finish, 
                                            wait_all)
 from dtcourse.collectives.pipelined import all_gather_receives
 from dtcourse.collectives.ring import chunk_sizes
-from dtcourse.runtime.refuse import reference
 
 __all__ = ["blocks_of", "blocked_all_reduce"]
 
@@ -42,7 +41,6 @@ def blocks_of(flat: torch.Tensor, world: int, chunk_bytes: int) -> list[list[tor
     return [list(block.split(chunk_sizes(block.numel(), world))) for block in flat.split(per_block)]
 
 
-@reference("collectives", "01")
 def blocked_all_reduce(flat: torch.Tensor, rank: int, world: int, group, counter: ByteCounter | None, op,
                        chunk_bytes: int) -> None:
     """All-reduce ``flat`` (1-D, in place) block by block, each block's all-gather beside the next block's

@@ -35,12 +35,10 @@ from dtcourse.collectives.messages import (ALL_GATHER_TAG, ByteCounter, check_op
 from dtcourse.collectives.pipelined import (IN_FLIGHT, all_gather_receives, pipelined_all_gather_steps,
                                             pipelined_reduce_scatter_steps, receives_early)
 from dtcourse.collectives.ring import check_gather_sizes, check_scatter_sizes, chunk_sizes
-from dtcourse.runtime.refuse import reference
 
 __all__ = ["fast_ring_reduce_scatter", "fast_ring_all_gather", "fast_ring_all_reduce"]
 
 
-@reference("collectives", "01")
 def fast_reduce_scatter_steps(chunks: list[torch.Tensor], rank: int, world: int, group,
                               counter: ByteCounter | None) -> list:
     """``ring.reduce_scatter_steps`` into one reused buffer; returns the sends still under way (``wait_all``)."""
@@ -58,7 +56,6 @@ def fast_reduce_scatter_steps(chunks: list[torch.Tensor], rank: int, world: int,
     return departures
 
 
-@reference("collectives", "01")
 def fast_all_gather_steps(chunks: list[torch.Tensor], rank: int, world: int, group,
                           counter: ByteCounter | None, first_step: int = 0, arrivals: list | None = None) -> list:
     """``ring.all_gather_steps`` with its receives posted ahead (``arrivals``, or all of them here on gloo;
@@ -81,7 +78,6 @@ def fast_all_gather_steps(chunks: list[torch.Tensor], rank: int, world: int, gro
     return departures
 
 
-@reference("collectives", "01")
 def fast_ring_reduce_scatter(output: torch.Tensor, input_tensor: torch.Tensor, op=ReduceOp.SUM, group=None,
                              counter: ByteCounter | None = None, slices: int = 1) -> None:
     """``ring.ring_reduce_scatter``, with a reused buffer, or in ``slices`` (``pipelined.py``)."""
@@ -97,7 +93,6 @@ def fast_ring_reduce_scatter(output: torch.Tensor, input_tensor: torch.Tensor, o
     output.copy_(chunks[rank].view_as(output))
 
 
-@reference("collectives", "01")
 def fast_ring_all_gather(output: torch.Tensor, input_tensor: torch.Tensor, group=None,
                          counter: ByteCounter | None = None) -> None:
     """``ring.ring_all_gather``, with every receive posted before the first send (gloo)."""
@@ -109,7 +104,6 @@ def fast_ring_all_gather(output: torch.Tensor, input_tensor: torch.Tensor, group
     wait_all(fast_all_gather_steps(chunks, rank, world, group, counter))
 
 
-@reference("collectives", "01")
 def fast_ring_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, counter: ByteCounter | None = None,
                          slices: int = 1, chunk_bytes: int | None = None) -> None:
     """``ring.ring_all_reduce``, as a library runs it: receives posted ahead, and ``slices`` or ``chunk_bytes``."""

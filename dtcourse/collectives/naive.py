@@ -13,12 +13,10 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from dtcourse.collectives.messages import ByteCounter, check_op, exchange, finish
-from dtcourse.runtime.refuse import reference
 
 __all__ = ["naive_all_reduce"]
 
 
-@reference("collectives", "01")
 def naive_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None,
                      counter: ByteCounter | None = None) -> None:
     """Rank 0 receives N-1 tensors, sums them in rank order, and sends the result to each rank."""

@@ -31,7 +31,6 @@ import torch
 import torch.distributed as dist
 
 from dtcourse.collectives.messages import ALL_GATHER_TAG, ByteCounter, receive, scratch, send, wait_all
-from dtcourse.runtime.refuse import reference
 
 __all__ = ["IN_FLIGHT", "AHEAD", "sliced", "receives_early", "all_gather_receives", "pipelined_reduce_scatter_steps",
            "pipelined_all_gather_steps"]
@@ -52,7 +51,6 @@ def receives_early(group) -> bool:
     return dist.get_backend(group) != "nccl"
 
 
-@reference("collectives", "01")
 def all_gather_receives(chunks: list[torch.Tensor], rank: int, world: int, group, counter: ByteCounter | None,
                         slices: int = 1) -> list:
     """Post every receive of the all-gather at once, each straight into its place in ``chunks``.
@@ -66,7 +64,6 @@ def all_gather_receives(chunks: list[torch.Tensor], rank: int, world: int, group
             for step in range(world - 1) for piece in sliced(chunks[(rank - step - 1) % world], slices)]
 
 
-@reference("collectives", "01")
 def pipelined_reduce_scatter_steps(chunks: list[torch.Tensor], rank: int, world: int, group,
                                    counter: ByteCounter | None, slices: int) -> list:
     """``fast_ring.fast_reduce_scatter_steps`` as (N-1)·k slice transfers; transfer t is slice t % k of step t // k.
@@ -110,7 +107,6 @@ def pipelined_reduce_scatter_steps(chunks: list[torch.Tensor], rank: int, world:
     return []
 
 
-@reference("collectives", "01")
 def pipelined_all_gather_steps(chunks: list[torch.Tensor], rank: int, world: int, group,
                                counter: ByteCounter | None, slices: int, first_step: int = 0, *,
                                arrivals: list) -> list:

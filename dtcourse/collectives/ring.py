@@ -25,7 +25,6 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from dtcourse.collectives.messages import ByteCounter, check_op, exchange, finish
-from dtcourse.runtime.refuse import reference
 
 __all__ = ["chunk_sizes", "ring_reduce_scatter", "ring_all_gather", "ring_all_reduce"]
 
@@ -40,7 +39,6 @@ def chunk_sizes(numel: int, world_size: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(world_size)]
 
 
-@reference("collectives", "01")
 def reduce_scatter_steps(chunks: list[torch.Tensor], rank: int, world: int, group,
                          counter: ByteCounter | None) -> None:
     """After N-1 steps, ``chunks[rank]`` holds the sum of every rank's chunk ``rank``."""
@@ -54,7 +52,6 @@ def reduce_scatter_steps(chunks: list[torch.Tensor], rank: int, world: int, grou
         chunks[recv_c].add_(incoming)
 
 
-@reference("collectives", "01")
 def all_gather_steps(chunks: list[torch.Tensor], rank: int, world: int, group,
                      counter: ByteCounter | None, first_step: int = 0) -> None:
     """Starting with ``chunks[rank]`` complete, pass chunks around until every rank has all N."""
@@ -67,7 +64,6 @@ def all_gather_steps(chunks: list[torch.Tensor], rank: int, world: int, group,
                  first_step + step)
 
 
-@reference("collectives", "01")
 def ring_reduce_scatter(output: torch.Tensor, input_tensor: torch.Tensor, op=ReduceOp.SUM, group=None,
                         counter: ByteCounter | None = None) -> None:
     """Like ``dist.reduce_scatter_tensor``: ``input_tensor`` has N·k elements; rank r gets reduced chunk r."""
@@ -81,7 +77,6 @@ def ring_reduce_scatter(output: torch.Tensor, input_tensor: torch.Tensor, op=Red
     output.copy_(chunks[rank].view_as(output))
 
 
-@reference("collectives", "01")
 def ring_all_gather(output: torch.Tensor, input_tensor: torch.Tensor, group=None,
                     counter: ByteCounter | None = None) -> None:
     """Like ``dist.all_gather_into_tensor``: ``output`` (N·k elements) gets every rank's ``input_tensor``."""
@@ -93,7 +88,6 @@ def ring_all_gather(output: torch.Tensor, input_tensor: torch.Tensor, group=None
     all_gather_steps(chunks, rank, world, group, counter)
 
 
-@reference("collectives", "01")
 def ring_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, counter: ByteCounter | None = None) -> None:
     """Ring reduce-scatter then ring all-gather, in place, for any length (uneven chunks)."""
     check_op(op)

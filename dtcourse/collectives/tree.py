@@ -16,12 +16,10 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from dtcourse.collectives.messages import ByteCounter, check_op, exchange, finish
-from dtcourse.runtime.refuse import reference
 
 __all__ = ["tree_all_reduce"]
 
 
-@reference("collectives", "01")
 def tree_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None,
                     counter: ByteCounter | None = None) -> None:
     """Binomial-tree reduce to rank 0 then binomial-tree broadcast; any world size."""

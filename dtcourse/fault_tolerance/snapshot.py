@@ -43,8 +43,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from dtcourse.runtime.refuse import reference
-
 __all__ = ["Snapshots", "Resumed", "rng_state", "set_rng_state", "restart_count", "SnapshotError"]
 
 MARKER = "COMPLETE"
@@ -60,7 +58,6 @@ def restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
-@reference("fault_tolerance", "12")   # exercise 12 saves the generators itself: refused while its checks run
 def rng_state() -> dict[str, Any]:
     """Every generator's state: Python's, NumPy's (if imported), torch's CPU one and each GPU's (if CUDA is on)."""
     state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
@@ -71,7 +68,6 @@ def rng_state() -> dict[str, Any]:
     return state
 
 
-@reference("fault_tolerance", "12")   # exercise 12 restores them itself: refused while its checks run
 def set_rng_state(state: dict[str, Any]) -> None:
     """Put every generator back where ``rng_state`` found it."""
     random.setstate(state["python"])
@@ -135,7 +131,6 @@ def _rank_world(group) -> tuple[int, int]:
     return 0, 1
 
 
-@reference("fault_tolerance", "12")   # exercise 12 writes the temporary file and renames it: refused in its checks
 def _atomic_write(path: Path, data: bytes) -> None:
     """Write ``data`` to a temporary file beside ``path``, flush it to disk, then rename it to ``path``."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -167,7 +162,6 @@ class Snapshots:
                              "directory this job may write to, on storage every restart can read.") from None
 
     # ------------------------------------------------------------------ save
-    @reference("fault_tolerance", "12")   # exercise 12 writes save_snapshot: refused while its checks run
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
              sampler: Any = None, **extra: Any) -> Path:
         """Write this rank's snapshot of ``step`` (the step to resume from), then mark it complete.
@@ -193,7 +187,6 @@ class Snapshots:
         return folder
 
     # ------------------------------------------------------------------ restore
-    @reference("fault_tolerance", "12")   # exercise 12 writes load_snapshot: refused while its checks run
     def restore(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                 sampler: Any = None) -> Resumed | None:
         """Load the newest complete snapshot that every rank can read; None if there is none.

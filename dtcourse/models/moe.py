@@ -43,8 +43,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dtcourse.runtime.refuse import reference
-
 __all__ = ["MoE", "Routing", "route", "capacity", "positions_in_expert", "load_balancing_loss", "z_loss",
            "check_moe"]
 
@@ -68,7 +66,6 @@ def capacity(n_tokens: int, n_expert: int, top_k: int, capacity_factor: float | 
     return math.ceil(n_tokens * top_k / n_expert * capacity_factor)
 
 
-@reference("moe", "11")     # exercise 11 writes this function: refused while its checks run
 def positions_in_expert(experts: torch.Tensor, n_expert: int) -> torch.Tensor:
     """Each choice's 0-based arrival order in its expert, first choices of all tokens before second ones.
 

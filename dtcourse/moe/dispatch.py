@@ -24,7 +24,6 @@ import torch.distributed as dist
 
 from dtcourse.models.moe import Routing
 from dtcourse.moe.communication import all_to_all, exchange_counts
-from dtcourse.runtime.refuse import reference
 
 __all__ = ["Plan", "dispatch_padded", "combine_padded", "dispatch_dropless", "combine_dropless"]
 
@@ -39,7 +38,6 @@ class Plan:
     slot: torch.Tensor            # (N, k): for each choice, the row of the returned buffer holding its output
 
 
-@reference("moe", "11")     # exercise 11 writes this: refused while its checks run
 def dispatch_padded(tokens: torch.Tensor, routing: Routing, n_expert: int, group: dist.ProcessGroup | None) -> tuple[torch.Tensor, Plan]:
     """Tokens (N, C) into E x C slots, then all-to-all: (ep x E/ep x C, C) rows for this rank's experts."""
     ep, (N, C), cap = dist.get_world_size(group), tokens.shape, routing.capacity
@@ -79,7 +77,6 @@ def _send_back(outputs: torch.Tensor, plan: Plan, group) -> torch.Tensor:
     return all_to_all(outputs, plan.send_splits, plan.recv_splits, group)
 
 
-@reference("moe", "11")     # exercise 11 writes this: refused while its checks run
 def _add_up(returned: torch.Tensor, routing: Routing, slot: torch.Tensor, N: int) -> torch.Tensor:
     """out[i] = sum_j gate_ij * returned[slot_ij] over token i's kept choices, choice 0 first."""
     out = returned.new_zeros(N, returned.shape[1])                           # (N, C)
@@ -89,7 +86,6 @@ def _add_up(returned: torch.Tensor, routing: Routing, slot: torch.Tensor, N: int
     return out
 
 
-@reference("moe", "11")     # exercise 11 writes this: refused while its checks run
 def combine_padded(outputs: torch.Tensor, plan: Plan, routing: Routing, group) -> torch.Tensor:
     """The experts' outputs (laid out as received) back to their ranks, each added to its token: (N, C)."""
     return _add_up(_send_back(outputs, plan, group), routing, plan.slot, routing.experts.shape[0])

@@ -24,7 +24,6 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dtcourse.runtime.refuse import reference
 from dtcourse.tensor_parallel.communications import (
     copy_to_tensor_parallel, gather_from_sequence_parallel, reduce_from_tensor_parallel,
     reduce_scatter_to_sequence_parallel)
@@ -68,7 +67,6 @@ def _replicated(full: torch.Tensor, sequence_parallel: bool) -> nn.Parameter:
     return p
 
 
-@reference("tensor_parallel", "09")   # exercise 09 writes this layer: refused while its checks run
 class ColumnParallelLinear(nn.Module):
     """``Y_i = X A_i``: this rank's ``out_features / t`` outputs from the whole input.
 
@@ -95,7 +93,6 @@ class ColumnParallelLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)                # (B, T, out/t)
 
 
-@reference("tensor_parallel", "09")   # exercise 09 writes this layer: refused while its checks run
 class RowParallelLinear(nn.Module):
     """``Y = sum_i X_i A_i``: this rank's ``in_features / t`` inputs give a partial sum of every output.
 
