@@ -26,7 +26,7 @@ import pytest
 from dtcourse import checks
 from dtcourse.checks.guard import course_answer
 from dtcourse.pipeline import Action, schedules
-from exercise_harness import EXPECTED, assert_released, nbgrader_cells, solution_code, source_path
+from exercise_harness import EXPECTED, assert_released, grade_answers, nbgrader_cells, solution_code, source_path
 
 NAME = "08_pipeline_1f1b"
 
@@ -68,6 +68,16 @@ no_cool_down = _1f1b(lambda p, r: p - 1 - r, cooldown=False)
 uncapped = _1f1b(lambda p, r: p - 1 - r, cap=False)          # m < p: Action(r, "B", -1) raises
 warm_up_r = _1f1b(lambda p, r: r)                             # the wrong way round: a deadlock
 no_step = _1f1b(lambda p, r: p - 1 - r, step=False)            # valid (torch's kind), but not the whole step
+no_warm_up = _1f1b(lambda p, r: 0)                            # valid, holds one micro-batch, idles most of the step
+NO_WARM_UP = """def one_f_one_b(p: int, m: int) -> dict[int, list[Action]]:
+    out = {}
+    for r in range(p):
+        ops = []
+        for j in range(m):
+            ops += [Action(r, "F", j), Action(r, "B", j)]
+        out[r] = ops + [Action(r, "STEP")]
+    return out
+"""
 
 
 def gpipe_order(p, m):
@@ -158,6 +168,22 @@ def test_a_warm_up_of_p_minus_r_runs_but_fails_order_and_memory():
     assert "rank 0: stage 0 held the activations of 3 micro-batches at once (measured by the executor); 1F1B " \
            "holds at most min(p-r, m) = min(2, 4) = 2 on rank 0" in message, message
     assert "rank 1: stage 1 held the activations of 2 micro-batches at once" in message, message
+
+
+def test_a_schedule_without_warm_up_holds_little_but_idles_and_scores_under_half(tmp_path):
+    checks.check_1f1b_valid(no_warm_up)                    # it can run: one micro-batch at a time
+    with pytest.raises(AssertionError) as info:
+        checks.check_1f1b_order(no_warm_up)
+    assert "hint: your schedule has no warm-up" in str(info.value), str(info.value)
+    with pytest.raises(AssertionError) as info:
+        checks.check_1f1b_run(no_warm_up)
+    message = str(info.value)
+    # 2 ranks, m = 4: each micro-batch goes through both stages and back before the next, 3 of 6 units per rank idle
+    assert "its ranks idle 0.500 of the step in simulation, where 1F1B idles (p-1)/(m+p-1) = 0.200 " \
+           "(one_f_one_b(2, 4))" in message, message
+    assert "hint: your schedule has no warm-up" in message and "rank 1:" not in message, message
+    report = grade_answers(NAME, tmp_path, dict(solution_code(NAME), one_f_one_b=NO_WARM_UP))
+    assert report.score == 3 < EXPECTED[NAME].points / 2, str(report)     # part 1 only: it can run
 
 
 def test_gpipe_order_runs_but_holds_every_micro_batch():

@@ -1,8 +1,8 @@
 """Exercise 06 (the ZeRO stage-2 step): the released notebook, its checks, and what they refuse.
 
-The checks test the algorithm, not only the answer: a step that averages right with an all-reduce,
-or one that keeps every gradient until backward ends (stage 1), or one that never frees the .grad,
-fails the technique's checks (8 of the 14 points) and names the rank, the bucket and the bytes;
+The checks test the algorithm, not only the answer: a step that averages right with an all-reduce
+fails the technique's checks (8 of the 14 points), one that keeps every gradient until backward ends
+(stage 1) or never frees the .grad fails part 1's (4 points), and each names the rank, the bucket and the bytes;
 a forgotten division, the wrong part, a missing all-gather and a full-model optimizer fail with a
 hint that says which; a deadlock fails after the timeout; the course's own ``dtcourse.zero.ZeRO``
 is refused. Everything here calls the checks directly (each launch forks its ranks in well under a

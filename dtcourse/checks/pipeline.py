@@ -107,6 +107,10 @@ def _mistakes(p: int, m: int) -> list[tuple[str, Schedule]]:
          "the extra forward holds one more micro-batch of activations", _variant(p, m, lambda r: p - r)),
         ("your warm-up runs p-1 forwards on every rank: rank r needs only p-1-r (rank 0 is the first stage "
          "and warms up most, the last rank not at all)", _variant(p, m, lambda r: p - 1)),
+        ("your schedule has no warm-up: every rank alternates one forward and one backward from the start, so "
+         "each micro-batch must come back through every rank before the next one starts, and the ranks take "
+         "turns (the bubble of one micro-batch at a time). Rank r first runs p-1-r forwards, to keep the "
+         "stages after it busy while its first gradient travels back", _variant(p, m, lambda r: 0)),
         ("your warm-up runs r forwards on rank r, the wrong way round: rank 0, the first stage, must warm up "
          "most, p-1-r = p-1, and the last rank not at all", _variant(p, m, lambda r: r)),
         ("in your steady state the backward comes before the forward: each step is one forward of a new "
@@ -312,8 +316,8 @@ def check_1f1b_run(fn: Callable, cases: Sequence[str] = ("small",), timeout: flo
 
     Every rank computes the whole schedule and runs its own list (``run_schedule``, which adds the
     messages). It must finish, each stage's gradients must equal one process's on the whole batch
-    within ``RUN_TOL``, and rank r's executor must have held at most min(p - r, m) micro-batches'
-    activations at once (``PipelineExecutor.peak_held_rank``).
+    within ``RUN_TOL``, rank r's executor must have held at most min(p - r, m) micro-batches'
+    activations at once (``PipelineExecutor.peak_held_rank``), and its simulated bubble must be 1F1B's.
     """
     _check_names("check_1f1b_run", fn, cases, RUN_CASES)
     _refuse_library_code("check_1f1b_run", fn, ANSWERS.exercise, _ADVICE)
@@ -384,4 +388,18 @@ def _run_case(fn: Callable, p: int, m: int, rank: int, progress: str) -> str | N
                 f"the executor); 1F1B holds at most min(p-r, m) = min({p - rank}, {m}) = {ideal} on rank {rank}: "
                 f"start the backwards after p-1-r = {p - 1 - rank} warm-up forwards, then alternate one forward "
                 "and one backward" + _which_mistake(schedule, p, m, rank))
-    return None
+    problem = _bubble_problem(schedule, p, m)           # the same on every rank: rank 0 reports it
+    return problem if not problem or rank == 0 else ""
+
+
+def _bubble_problem(schedule: Schedule, p: int, m: int) -> str | None:
+    """1F1B's bubble is GPipe's, (p-1)/(m+p-1): a schedule that holds less by idling more is not 1F1B. Simulated
+    (t_b = 2 t_f, free messages), so the verdict is the same on any machine."""
+    from dtcourse.pipeline.cost import bubble_formula
+    from dtcourse.pipeline.simulate import simulate
+    bubble, formula = simulate(schedule, p, m).bubble, bubble_formula("1f1b", p, m)
+    if bubble <= formula + 1e-9:
+        return None
+    return (f"your schedule runs and holds little, but its ranks idle {bubble:.3f} of the step in simulation, "
+            f"where 1F1B idles (p-1)/(m+p-1) = {formula:.3f} (one_f_one_b({p}, {m})): the warm-up forwards are "
+            "what keep the later stages busy" + _which_mistake(schedule, p, m))
