@@ -16,6 +16,7 @@ Each graded notebook starts a kernel (a few seconds).
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -238,6 +239,11 @@ def test_cheating_notebooks_score_zero_and_are_flagged(tmp_path):
         assert "reaches into the grading" in check.message, str(report)
     assert len(report.flagged) >= 4 and report.exit_code == 1
     assert "Flagged for the instructor" in str(report)
+    # one cell, named the same way in the check's message and in the Flagged list: by its first line
+    begins = "'import dtcourse.checks.common as common'"
+    assert any(f"(the cell that begins {begins}), line 2" in line for line in report.flagged), report.flagged
+    message = report.checks[0].message
+    assert re.search(r"the cell run as \[\d+\] \(it begins " + re.escape(begins) + r"\), line 2", message), message
 
 
 def test_the_checks_cannot_be_rebound_on_the_package():

@@ -86,18 +86,20 @@ def fresh(topic: str) -> ModuleType:
                 sys.modules[name] = module
 
 
-def _kernel_history() -> list[str]:
-    """The cells this IPython kernel has run, in order ([] outside IPython)."""
+def _kernel_history() -> list[tuple[int, str]]:
+    """``(execution count, code)`` of the cells this IPython kernel has run, in order ([] outside IPython)."""
     shell = sys.modules.get("IPython") and sys.modules["IPython"].get_ipython()
-    return [code for code in (shell.user_ns.get("In", []) if shell else []) if code]
+    return [(count, code) for count, code in enumerate(shell.user_ns.get("In", []) if shell else []) if code]
 
 
 def _audit() -> None:
-    from dtcourse.grading.audit import audit_cells
+    from dtcourse.grading.audit import audit_cells, first_line
 
-    findings = audit_cells(_kernel_history())
-    if findings:
-        listed = "\n  ".join(f"cell run #{f.cell}, line {f.line}: {f.what}" for f in findings[:5])
+    history = _kernel_history()
+    findings = audit_cells(code for _, code in history)
+    if findings:                # named as JupyterLab shows a run cell, [n], and by its first line, as the grader does
+        listed = "\n  ".join(f"the cell run as [{history[f.cell][0]}] (it begins {first_line(history[f.cell][1])!r}), "
+                             f"line {f.line}: {f.what}" for f in findings[:5])
         raise AssertionError(
             "this notebook reaches into the grading, so no check runs:\n  " + listed + "\nRemove that code "
             "(a check's name must stay the check, and dtcourse.checks, torch.distributed and the import "

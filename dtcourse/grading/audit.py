@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
-__all__ = ["Finding", "audit_source", "audit_cells", "audit_notebook", "main"]
+__all__ = ["Finding", "audit_source", "audit_cells", "audit_notebook", "first_line", "main"]
 
 GUARDED = ("dtcourse", "torch.distributed", "torch.utils.checkpoint", "sys", "builtins", "importlib")
 CHECKS_DIR = Path(__file__).resolve().parents[1] / "checks"
@@ -47,10 +47,21 @@ class Finding:
     cell: int | None   # index of the code cell in the notebook (None: a single source)
     line: int
     what: str
+    begins: str = ""   # the cell's first line: what the student and the instructor both see of it
 
     def __str__(self) -> str:
-        where = f"cell {self.cell}, line {self.line}" if self.cell is not None else f"line {self.line}"
-        return f"{where}: {self.what}"
+        where = f"cell {self.cell}{_begins(self.begins)}, " if self.cell is not None else ""
+        return f"{where}line {self.line}: {self.what}"
+
+
+def first_line(code: str) -> str:
+    """A cell's first non-blank line, shortened: the one name a notebook cell has on every screen."""
+    line = next((ln.strip() for ln in code.splitlines() if ln.strip()), "")
+    return line if len(line) <= 60 else line[:57] + "..."
+
+
+def _begins(line: str) -> str:
+    return f" (the cell that begins {line!r})" if line else ""
 
 
 @functools.lru_cache(maxsize=1)
@@ -225,7 +236,8 @@ def audit_notebook(notebook) -> list[Finding]:
 
     nb = nbformat.read(notebook, as_version=4) if isinstance(notebook, (str, Path)) else notebook
     codes = [(i, c.source) for i, c in enumerate(nb.cells) if c.cell_type == "code"]
-    return [Finding(codes[f.cell][0], f.line, f.what) for f in audit_cells(code for _, code in codes)]
+    return [Finding(codes[f.cell][0], f.line, f.what, first_line(codes[f.cell][1]))
+            for f in audit_cells(code for _, code in codes)]
 
 
 def main(argv: list[str] | None = None) -> int:
