@@ -186,6 +186,20 @@ def test_a_schedule_without_warm_up_holds_little_but_idles_and_scores_under_half
     assert report.score == 3 < EXPECTED[NAME].points / 2, str(report)     # part 1 only: it can run
 
 
+def test_a_table_of_the_listed_cases_fails_the_pairs_drawn_as_the_check_runs():
+    from dtcourse.checks.pipeline import SCHEDULE_CASES
+    table = {pair: schedules.one_f_one_b(*pair) for _, pairs in SCHEDULE_CASES.values() for pair in pairs}
+
+    def from_table(p, m):                      # every listed case answered from the table, anything else guessed
+        return table.get((p, m)) or gpipe_order(p, m)
+
+    checks.check_1f1b_order(from_table)        # the visible cases
+    # GPipe's order differs from 1F1B's on the last rank for every m > 1: only six draws of m = 1 could pass
+    with pytest.raises(AssertionError, match=r"6 pairs drawn as the check runs\):\n  one_f_one_b\(\d+, \d+\), "
+                                             r"rank \d+, step \d+ \([a-z -]+\): expected"):
+        checks.check_1f1b_order(from_table, cases=("large",))
+
+
 def test_gpipe_order_runs_but_holds_every_micro_batch():
     checks.check_1f1b_valid(gpipe_order)
     with pytest.raises(AssertionError) as info:

@@ -27,6 +27,7 @@ it runs, the course's ``one_f_one_b`` and torch's ``Schedule1F1B`` order refuse 
 from __future__ import annotations
 
 import copy
+import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
@@ -52,9 +53,23 @@ ANSWERS = Answers("08", course=("dtcourse.pipeline.schedules.one_f_one_b",),
 SCHEDULE_CASES = {
     "small": ("p = 4 down to 1 ranks, m = 8 down to 1 micro-batches",
               [(p, m) for p in (4, 3, 2, 1) for m in range(8, 0, -1)]),
-    "large": ("p = 8, 6 and 5 ranks, m from 24 down to 1",
+    "large": ("p = 8, 6 and 5 ranks, m from 24 down to 1, and 6 pairs drawn as the check runs",
               [(p, m) for p in (8, 6, 5) for m in (24, 13, 8, 7, 5, 3, 2, 1)]),
 }
+DRAWN = {"large": 6}   # pairs (p in 2-12, m in 1-40) drawn afresh each time the case runs: no table can hold them
+
+
+def _pairs(name: str) -> list[tuple[int, int]]:
+    """The case's (p, m) pairs, then those drawn now (from the operating system's entropy, not a seed a
+    notebook could set); a failure names its p and m, so a drawn one can be rerun by hand."""
+    listed = SCHEDULE_CASES[name][1]
+    draw = random.SystemRandom()
+    drawn: list[tuple[int, int]] = []
+    while len(drawn) < DRAWN.get(name, 0):
+        pair = (draw.randint(2, 12), draw.randint(1, 40))
+        if pair not in listed and pair not in drawn:
+            drawn.append(pair)
+    return listed + drawn
 # world size p -> the m run on p ranks, per case
 RUN_CASES = {
     "small": ("2 and 3 ranks", {2: (4, 1), 3: (5, 1)}),
@@ -273,7 +288,7 @@ def check_1f1b_order(fn: Callable, cases: Sequence[str] = ("small",), timeout: f
 
 def _schedules_rank(fn: Callable, cases: tuple[str, ...], order: bool, progress: str) -> list:
     for name in cases:
-        description, pairs = SCHEDULE_CASES[name]
+        description, pairs = SCHEDULE_CASES[name][0], _pairs(name)
         where = f"case {name!r} ({description})"
         for p, m in pairs:
             Path(progress, "0").write_text(f"{where}, one_f_one_b({p}, {m})")
