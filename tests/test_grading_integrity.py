@@ -246,6 +246,23 @@ def test_cheating_notebooks_score_zero_and_are_flagged(tmp_path):
     assert re.search(r"the cell run as \[\d+\] \(it begins " + re.escape(begins) + r"\), line 2", message), message
 
 
+def test_an_answer_executed_from_its_source_is_refused_and_one_typed_alike_is_not():
+    import inspect
+    from dtcourse.pipeline import schedules
+    namespace = dict(vars(schedules))                                         # what the answer's code looks up
+    exec(inspect.getsource(schedules.one_f_one_b), namespace)                 # noqa: S102 - the cheat under test
+    copied = namespace["one_f_one_b"]
+    assert copied is not schedules.one_f_one_b and copied(3, 4) == schedules.one_f_one_b(3, 4)
+    with pytest.raises(ReferenceRefused, match=r"check_1f1b_order was given one_f_one_b, whose one_f_one_b was "
+                                                r"executed from a string holding the code of "
+                                                r"dtcourse\.pipeline\.schedules\.one_f_one_b"):
+        checks.check_1f1b_order(copied)
+    # the same code compiled under a file's name, as a cell's is: not compared (a short right answer may coincide)
+    typed = dict(vars(schedules))
+    exec(compile(inspect.getsource(schedules.one_f_one_b), "/tmp/ipykernel_0/cell.py", "exec"), typed)  # noqa: S102
+    checks.check_1f1b_order(typed["one_f_one_b"])
+
+
 def test_the_checks_cannot_be_rebound_on_the_package():
     genuine = checks.check_all_reduce
     with pytest.raises(AttributeError, match="is a check and cannot be replaced"):

@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroup
 
-from dtcourse.checks.guard import COLLECTIVE_METHODS, course_answer
-from dtcourse.runtime.refuse import ReferenceRefused, is_library_file
+from dtcourse.checks.guard import COLLECTIVE_METHODS, copied_answer, course_answer
+from dtcourse.runtime.refuse import ReferenceRefused, is_library_file, is_student_class
 from dtcourse.runtime.launch import LaunchError, LaunchTimeout, RankError, launch
 from dtcourse.runtime.processes import frames
 
@@ -75,6 +75,7 @@ def _refuse_library_code(check: str, obj: Callable, exercise: str, advice: str,
             whose = "the course's own answer" if course_answer(theirs[0]) else "PyTorch's answer"
             raise ReferenceRefused(f"{check} was given {obj.__qualname__}, which {which} {whose} to exercise "
                                    f"{exercise}; it refuses to run while that exercise's checks run. {advice}")
+        _refuse_copies(check, obj, exercise, advice)
         return
     inner = obj
     while isinstance(inner, functools.partial) or inspect.ismethod(inner):
@@ -88,6 +89,28 @@ def _refuse_library_code(check: str, obj: Callable, exercise: str, advice: str,
                                f"refuses to run while that exercise's checks run. {advice}")
     if inspect.isbuiltin(inner) or (isinstance(inner, FunctionType) and is_library_file(inner.__code__.co_filename)):
         raise AssertionError(f"{check} was given {what}, which is library code, not yours. {advice}")
+    _refuse_copies(check, obj, exercise, advice)
+
+
+def _refuse_copies(check: str, obj: Callable, exercise: str, advice: str) -> None:
+    """A function (or a class's method) executed from a string that holds a course answer's code: the answer's
+    source, read and run (``exec(inspect.getsource(...))``). Code typed in a cell is not compared: a short
+    right answer may coincide with the course's, and a copy typed into a cell is the instructor's to judge."""
+    if isinstance(obj, type):
+        members = [getattr(m, "__func__", getattr(m, "fget", m))
+                   for k in obj.__mro__ if is_student_class(k) for m in vars(k).values()]
+    else:
+        members = [obj]
+    for member in members:
+        member = inspect.unwrap(member) if callable(member) else member
+        if not isinstance(member, FunctionType) or not member.__code__.co_filename.startswith("<"):
+            continue
+        source = copied_answer(member.__code__)
+        if source:
+            raise ReferenceRefused(f"{check} was given {getattr(obj, '__qualname__', obj)}, whose {member.__name__} "
+                                   f"was executed from a string holding the code of {source}, the course's own "
+                                   f"answer to exercise {exercise}: the exercise asks you to write it yourself. "
+                                   f"{advice}")
 
 
 def _check_names(check: str, fn: Callable, names: Sequence[str], known: dict) -> None:

@@ -27,22 +27,23 @@ Everything is put back when the block ends, whatever happens in it.
 from __future__ import annotations
 
 import functools
+import inspect
 import importlib
 import os
 import pkgutil
 import sys
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from types import FrameType
+from types import CodeType, FrameType, FunctionType
 from typing import Callable, Iterator, Mapping
 
 import torch
 from torch._C._distributed_c10d import ProcessGroup
 
 from dtcourse.runtime.observe import COLLECTIVE_METHODS, patched
-from dtcourse.runtime.refuse import refuse_if_student, refusing, switched_off
+from dtcourse.runtime.refuse import original_code, refuse_if_student, refusing, switched_off
 
-__all__ = ["Answers", "Watch", "watching", "course_answer", "COLLECTIVE_METHODS"]
+__all__ = ["copied_answer", "Answers", "Watch", "watching", "course_answer", "COLLECTIVE_METHODS"]
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,34 @@ def course_answer(obj: object) -> tuple[str, str] | None:
 def _course_answers() -> dict[int, tuple[object, str, str]]:
     return {id(obj): (obj, stem, answers.exercise)
             for stem, answers in declared().items() for obj in answers.course_objects()}
+
+
+def _fingerprint(code: CodeType) -> tuple:
+    """What a function's code does, whatever file or line it was compiled from: bytecode, names and constants
+    (nested functions by their own fingerprints)."""
+    consts = tuple(_fingerprint(c) if isinstance(c, CodeType) else (type(c).__name__, repr(c)) for c in code.co_consts)
+    return code.co_code, code.co_names, code.co_varnames, code.co_freevars, consts
+
+
+def _answer_fingerprints() -> dict[tuple, str]:
+    """Every course answer's code (functions, and the methods of answer classes) -> its dotted name. Not cached:
+    while a check runs, the answers' code is swapped (``original_code`` sees through it)."""
+    found = {}
+    for obj, _, _ in _course_answers().values():
+        if isinstance(obj, type):
+            members = [inspect.unwrap(getattr(m, "__func__", getattr(m, "fget", m))) for m in vars(obj).values()
+                       if callable(getattr(m, "__func__", getattr(m, "fget", m)))]
+        else:
+            members = [obj]
+        for member in members:
+            if isinstance(member, FunctionType):
+                found.setdefault(_fingerprint(original_code(member)), f"{member.__module__}.{member.__qualname__}")
+    return found
+
+
+def copied_answer(code: CodeType) -> str | None:
+    """The dotted name of the course answer whose code ``code`` repeats (its source copied, or executed), or None."""
+    return _answer_fingerprints().get(_fingerprint(code))
 
 
 @dataclass

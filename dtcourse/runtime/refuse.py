@@ -33,13 +33,14 @@ from types import CodeType, FrameType, FunctionType
 from typing import Callable, Iterable, Iterator
 
 __all__ = ["ReferenceRefused", "refusing", "switched_off", "refuse_if_student", "student_on_stack",
-           "is_library_file", "is_student_class"]
+           "is_library_file", "is_student_class", "original_code"]
 
 
 _DTCOURSE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _LIBRARIES = tuple(sorted({os.path.abspath(p) + os.sep for key in ("stdlib", "platstdlib", "purelib", "platlib")
                            if (p := sysconfig.get_paths().get(key))} | {_DTCOURSE}))
 _SERIAL = itertools.count()         # names the helper each trampoline calls, unique in the process
+_ORIGINALS: dict[int, CodeType] = {}  # id(function) -> its code, while a trampoline stands in for it
 
 
 class ReferenceRefused(AssertionError):
@@ -114,12 +115,19 @@ def _function_off(f: FunctionType, exercise: str, boundary: FrameType | None) ->
 
     helper = f"__dtcourse_refuse_then_call_{next(_SERIAL)}__"
     f.__globals__[helper] = refuse_then_call
+    _ORIGINALS[id(f)] = original
     try:
         f.__code__ = _trampoline(f, helper)
         yield
     finally:
         f.__code__ = original
         f.__globals__.pop(helper, None)
+        _ORIGINALS.pop(id(f), None)
+
+
+def original_code(f: FunctionType) -> CodeType:
+    """``f``'s own code, also while a check has swapped in its trampoline."""
+    return _ORIGINALS.get(id(f), f.__code__)
 
 
 @contextmanager
