@@ -186,6 +186,9 @@ CHEATS = {
     "touches the guard": "from dtcourse.runtime.refuse import refusing",
     "writes the module's dict": "import dtcourse.checks\nvars(dtcourse.checks)['check_all_reduce'] = print",
     "object.__setattr__": "import dtcourse.checks as c\nobject.__setattr__(c, 'x', 1)",
+    "patches torch's tensor methods": "import torch\ntorch.Tensor.__sub__ = lambda a, b: torch.zeros_like(a)",
+    "patches a comparison": "from torch import Tensor\nsetattr(Tensor, 'abs', lambda t: t * 0)",
+    "patches torch.equal": "import torch as T\nT.equal = lambda a, b: True",
 }
 
 
@@ -203,7 +206,8 @@ def test_the_audit_leaves_ordinary_code_alone():
                 "!ls\n%timeit ring",
                 # the student's own helper, and a helper the exercise offers, named like checks: not checks
                 "def check_split(t, n):\n    assert t % n == 0",
-                "from dtcourse.tensor_parallel.layers import check_divides\ncheck_divides(2, 8, 'width')"]
+                "from dtcourse.tensor_parallel.layers import check_divides\ncheck_divides(2, 8, 'width')",
+                "torch.backends.cudnn.deterministic = True\ntorch.manual_seed(0)"]
     assert audit_cells(ordinary) == []
     for name in NAMES:   # every solution and released notebook, every cell
         for folder in ("solutions", "exercises"):

@@ -34,7 +34,11 @@ from typing import Iterable
 
 __all__ = ["Finding", "audit_source", "audit_cells", "audit_notebook", "first_line", "main"]
 
-GUARDED = ("dtcourse", "torch.distributed", "torch.utils.checkpoint", "sys", "builtins", "importlib")
+# Modules whose attributes a submission may not assign, delete or setattr. All of torch: the checks compare with
+# torch.equal, Tensor methods and torch's own answers, so a patched torch.Tensor.__sub__ or torch.allclose could make
+# every comparison pass. torch.backends holds switches a student may set (cudnn.deterministic).
+GUARDED = ("dtcourse", "torch", "sys", "builtins", "importlib")
+UNGUARDED = ("torch.backends",)
 CHECKS_DIR = Path(__file__).resolve().parents[1] / "checks"
 GUARDS = ("dtcourse.runtime.refuse", "dtcourse.checks.guard", "ReferenceRefused", "refuse_if_student",
           "student_on_stack")
@@ -79,7 +83,8 @@ def check_names() -> frozenset[str]:
 
 
 def _guarded(module: str) -> bool:
-    return any(module == g or module.startswith(g + ".") for g in GUARDED)
+    inside = lambda roots: any(module == g or module.startswith(g + ".") for g in roots)   # noqa: E731
+    return inside(GUARDED) and not inside(UNGUARDED)
 
 
 class _Visitor(ast.NodeVisitor):
