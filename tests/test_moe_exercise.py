@@ -7,8 +7,11 @@ tensor; and every all-to-all is counted with its rows to each rank and its proce
 counted token by token or column by column, a dropped choice sent, only first choices sent, the wrong layout,
 tokens sent times their gates, the buffer cut from the graph, every row sent to every rank (right rows, ep times
 the bytes), the default group, the gate not applied or swapped, a dropped choice added, a slot read from the
-wrong row, a combine without autograd, the gates detached: each fails with the message that says which. A
-deadlock fails after the timeout, and the course's own functions are refused. Everything here calls the checks
+wrong row, a combine without autograd, the gates detached: each fails with the message that says which, each
+hint once however many ranks repeat the mistake. A dispatch that sends the choices past an expert's capacity
+(into the next expert's slots, or wrapped round or clamped into its own) is named by the expert that overflowed
+and by how many, in dispatch's check and in the layer's. A deadlock fails after the timeout, and the course's own
+functions are refused. Everything here calls the checks
 directly; full marks for the solution and zero for the untouched exercise are checked with every exercise's, in
 ``test_grading.py``. Run just these with ``pytest -q tests/test_moe_exercise.py``, and everything about this
 exercise with ``pytest -q tests -k "11_moe_dispatch or test_moe_exercise"``.
@@ -20,6 +23,7 @@ here), some with a line changed: to the checks, they are a student's code.
 from __future__ import annotations
 
 import inspect
+import re
 import time
 
 import pytest
@@ -82,6 +86,15 @@ DROPPED_SENT = _answer(dispatch=[("kept = routing.kept", "kept = torch.ones_like
 FIRST_ONLY = _answer(dispatch=[("kept = routing.kept", "kept = routing.kept & (torch.arange(routing.kept.shape[1]) == 0)")])
 POSITION_MAJOR = _answer(dispatch=[("slot = routing.experts * C + routing.positions",
                                     "slot = routing.positions * n_expert + routing.experts")])
+# past the capacity: every choice sent, at row expert·C + position mod C (wrapped round onto its own expert's
+# slots) or clamped to its last slot; or kept with position <= C, so position C spills into the next expert's
+WRAPPED = _answer(dispatch=[("slot = routing.experts * C + routing.positions",
+                             "slot = routing.experts * C + routing.positions % C"),
+                            ("kept = routing.kept", "kept = torch.ones_like(routing.kept)")])
+CLAMPED = _answer(dispatch=[("slot = routing.experts * C + routing.positions",
+                             "slot = routing.experts * C + routing.positions.clamp(max=C - 1)"),
+                            ("kept = routing.kept", "kept = torch.ones_like(routing.kept)")])
+UP_TO_C = _answer(dispatch=[("kept = routing.kept", "kept = routing.positions <= C")])
 DEFAULT_GROUP = _answer(dispatch=[("all_to_all(buffer, splits, splits, group)", "all_to_all(buffer, splits, splits, None)")])
 GATED = _answer(dispatch=[("tokens[token[kept]])", "tokens[token[kept]] * routing.gates[kept][:, None])")])
 DETACHED = _answer(dispatch=[("tokens[token[kept]])", "tokens.detach()[token[kept]])")])
@@ -196,6 +209,21 @@ def test_wrong_positions_are_named_inside_the_layer_too():
     (DROPPED_SENT, r"rank 1: the received buffer, row 0 = \(from rank 0, local expert 0 = expert 1, slot 0\): expected "
                    r"token 1 of rank 0 \(its choice 0\), found token 9 of rank 0 \(its choice 0 to expert 0 at position "
                    r"6, dropped: past the capacity C = 6\)\n    hint: a dropped choice was sent"),
+    (UP_TO_C, r"rank 1: the received buffer, row 0 = \(from rank 0, local expert 0 = expert 1, slot 0\): expected token "
+              r"1 of rank 0 \(its choice 0\), found token 9 of rank 0 \(its choice 0 to expert 0 at position 6, "
+              r"dropped: past the capacity C = 6\)\n    hint: a dropped choice was sent: expert 0 is over capacity in "
+              r"rank 0's routing: its tokens chose it 8 times for C = 6 slots, so 2 choices, at positions 6 to 7, are "
+              r"past C\. Token 9's choice 0 \(rank 0's\), at position 6, went to row expert·C \+ position = 6 of the "
+              r"send buffer: past expert 0's C slots, into expert 1's slot 0\. A choice at position >= C is dropped, "
+              r"not sent: send only the kept ones, kept = position < C \(routing\.kept\), as the lesson's route does"),
+    (WRAPPED, r"rank 0: the received buffer, row 0 = .*: expected token 0 of rank 0 \(its choice 0\), found token 9 of "
+              r"rank 0 .*\n    hint: a dropped choice was sent: expert 0 is over capacity in rank 0's routing: its "
+              r"tokens chose it 8 times for C = 6 slots, so 2 choices, at positions 6 to 7, are past C\. Token 9's "
+              r"choice 0 \(rank 0's\), at position 6, wrapped round onto expert 0's slot 0 = 6 mod C, the slot of a "
+              r"kept choice\. A choice at position >= C is dropped, not sent: .*kept = position < C"),
+    (CLAMPED, r"rank 0: the received buffer, row 5 = .*found token 11 of rank 0 .*\n    hint: a dropped choice was sent: "
+              r"expert 0 is over capacity in rank 0's routing: .*, so 2 choices, at positions 6 to 7, are past C\. "
+              r"Token 11's choice 0 \(rank 0's\), at position 7, was clamped onto expert 0's last slot, 5"),
     (FIRST_ONLY, r"E = 4, top-2, capacity factor 1\.0 \(C = 6\):\n  rank 0: the received buffer, row 4 = \(from rank 0, "
                  r"local expert 0 = expert 0, slot 4\): expected token 1 of rank 0 \(its choice 1\), found zeros\n    "
                  r"hint: only first choices arrived"),
@@ -220,12 +248,24 @@ def test_an_all_to_all_on_the_default_group_is_named_even_where_the_rows_agree()
     assert "rank 0: dispatch's forward started an all-to-all on the default group (all 2 ranks) sending rows [6, 6] " \
            "of 32 B to the ranks; expected one all-to-all on the group" in message, message
     assert message.count("hint: a collective ran on another process group than the one passed in (ranks [0, 1]): "
-                         "pass group=group to all_to_all") == 2, message
+                         "pass group=group to all_to_all") == 1, message                # once, not once per rank
+    assert message.endswith("\n    hint: the same as rank 0's, above"), message
     with pytest.raises(AssertionError, match=r"failed on 4 ranks in two groups of ep = 2 side by side on 4 ranks, "
                                              r"\[0, 1\] and \[2, 3\], E = 2, top-1.*: rank \d raised RuntimeError: "
                                              r"Number of tensor splits not equal to group size\n.*\n    hint: a "
                                              r"collective ran on another process group than the one passed in"):
         checks.check_moe_dispatch(DEFAULT_GROUP["dispatch"], cases=("large",))
+
+
+def test_a_dropped_choice_past_the_buffer_names_the_capacity():
+    """The last expert's choices past C have rows past E·C: the student's IndexError, and which expert overflowed."""
+    with pytest.raises(AssertionError, match=r"failed on 4 ranks in two groups of ep = 2 .*: rank \d raised IndexError: "
+                                             r"index_copy_\(\): index 12 is out of bounds .*\n(.*\n)*    hint: expert 1 "
+                                             r"is over capacity in this rank's routing: its tokens chose it 8 times for "
+                                             r"C = 6 slots, so 2 choices, at positions 6 to 7, are past C, and token "
+                                             r"10's choice 0, at position 6, has row expert·C \+ position = 12, past "
+                                             r"the buffer's E·C = 12 rows.*kept = position < C"):
+        checks.check_moe_dispatch(DROPPED_SENT["dispatch"], cases=("large",))
 
 
 # --------------------------------------------------------------------------- #
@@ -248,6 +288,53 @@ def test_an_all_to_all_on_the_default_group_is_named_even_where_the_rows_agree()
 def test_a_combine_that_adds_the_wrong_outputs_is_named_by_token_and_tensor(ns, complaint):
     with pytest.raises(AssertionError, match=complaint):
         checks.check_moe_combine(positions_in_expert, dispatch, ns["combine"])
+
+
+@pytest.mark.parametrize("ns, complaint", [
+    (DROPPED_SENT, r"rank 1: token 2's output differs .*\n    hint: your dispatch sent a dropped choice \(check_moe_dispatch "
+                   r"names the row it landed in\): expert 0 is over capacity in rank 0's routing: its tokens chose it "
+                   r"8 times for C = 6 slots, so 2 choices, at positions 6 to 7, are past C\. Token 9's choice 0 "
+                   r"\(rank 0's\), at position 6, went to row expert·C \+ position = 6 of the send buffer: past expert "
+                   r"0's C slots, into expert 1's slot 0\. A choice at position >= C is dropped"),
+    (WRAPPED, r"rank 0: token 2's output differs .*\n    hint: your dispatch sent a dropped choice .*: expert 0 is over "
+              r"capacity in rank 0's routing: .*, so 2 choices, at positions 6 to 7, are past C\. Token 9's choice 0 "
+              r"\(rank 0's\), at position 6, wrapped round onto expert 0's slot 0 = 6 mod C"),
+])
+def test_the_layer_names_a_dispatch_past_the_capacity(ns, complaint):
+    with pytest.raises(AssertionError, match=complaint):
+        checks.check_moe_combine(positions_in_expert, ns["dispatch"], combine)
+
+
+# --------------------------------------------------------------------------- #
+# One hint per message, however many ranks make the mistake
+# --------------------------------------------------------------------------- #
+@pytest.mark.parametrize("check, ns, shown", [
+    ("check_moe_dispatch", GATED, r"hint: dispatch sends the tokens as they are"),
+    ("check_moe_dispatch", FIRST_ONLY, r"hint: only first choices arrived"),
+    ("check_moe_dispatch", POSITION_MAJOR, r"hint: the received buffer is laid out"),
+    ("check_moe_combine", NO_GATE, r"hint: the gate is not applied"),
+    ("check_moe_combine", SWAPPED_GATES, r"hint: choice j's output is weighted by another choice's gate"),
+    ("check_moe_combine", TOKEN_MAJOR, r"hint: you counted token by token"),
+    ("check_moe_combine", DETACHED_GATES, r"the gates' gradient is cut: keep routing\.gates in the graph"),
+    ("check_moe_combine", RAW_ALL_TO_ALL, r"combine's all-to-all must be differentiable"),
+])
+def test_a_hint_every_rank_repeats_is_printed_once(check, ns, shown):
+    """Each rank makes the same mistake: its hint once, on rank 0's line; rank 1's points back to it."""
+    with pytest.raises(AssertionError) as info:
+        if check == "check_moe_dispatch":
+            checks.check_moe_dispatch(ns["dispatch"])
+        else:
+            checks.check_moe_combine(ns["positions_in_expert"], ns["dispatch"], ns["combine"])
+    message = str(info.value)
+    assert "is wrong on 2 ranks in ep = 2 on 2 ranks" in message and "\n  rank 1: " in message, message
+    rank0, rank1 = message.split("\n  rank 1: ")
+    assert re.search(shown, rank0) and not re.search(shown, rank1), message
+    lines = re.findall(r"^    hint: .*$", message, re.M)
+    assert len(lines) == len(set(lines)), message
+    for hint in (moe_checks._CUT, moe_checks._UNREACHED):
+        assert message.count(hint.change) <= 1, message
+    assert message.count("check_moe_positions names it on smaller routings") <= 1, message
+    assert "the same as rank 0's, above" in rank1, message
 
 
 # --------------------------------------------------------------------------- #

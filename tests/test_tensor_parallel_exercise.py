@@ -6,7 +6,8 @@ gradient), and each counts the collectives the student's code starts, with their
 group. A missing all-reduce in f's backward, an all-reduce in g's backward too, a split along the wrong
 dimension, the row layer's bias added on every rank, a slice kept as a view of the full weight, an all-reduce
 on the default group, or f's forward all-reducing (right numbers, wrong traffic) each fail with the message
-that says which; a deadlock fails after the timeout; the course's own layers and operators are refused.
+that says which, each hint once however many ranks repeat the mistake; a deadlock fails after the timeout; the
+course's own layers and operators are refused.
 Everything here calls the checks directly (each launch forks its ranks in well under a second); full marks for
 the solution and zero for the untouched exercise are checked with every exercise's, in ``test_grading.py``.
 Run just these with ``pytest -q tests/test_tensor_parallel_exercise.py``, and everything about this exercise
@@ -19,11 +20,14 @@ name, some with a line changed: to the checks, they are a student's code.
 from __future__ import annotations
 
 import inspect
+import re
 import time
 
 import pytest
 
 from dtcourse import checks
+from dtcourse.checks import tensor_parallel as tp_checks
+from dtcourse.checks.common import hints_once
 from dtcourse.checks.guard import course_answer
 from dtcourse.tensor_parallel import communications, layers
 from exercise_harness import EXPECTED, assert_released, compile_answers
@@ -156,9 +160,11 @@ def test_f_without_its_all_reduce_leaves_a_partial_input_gradient():
 
 def test_g_that_all_reduces_in_backward_too_makes_gradients_t_times_too_big():
     ns = G_ALL_REDUCES_BACKWARD
-    with pytest.raises(AssertionError, match=r"rank 1: x\.grad after g's backward differs from the gradient of g's "
+    with pytest.raises(AssertionError, match=r"rank 0: x\.grad after g's backward differs from the gradient of g's "
                                              r"output by up to [\d.]+ \(tolerance 1e-05\): it is t times the serial "
-                                             r"layer's: g's backward all-reduced"):
+                                             r"layer's: g's backward all-reduced.*\n  rank 1: x\.grad after g's "
+                                             r"backward differs .*: it is t times the serial layer's \(the same as "
+                                             r"rank 0's, above\)$"):
         checks.check_f_and_g(ns["f"], ns["g"])
     checks.check_column_parallel(ns["ColumnParallelLinear"])       # the column layer has no g
     with pytest.raises(AssertionError) as info:
@@ -195,12 +201,60 @@ def test_an_all_reduce_on_the_default_group_is_named_even_where_the_sums_agree()
     assert "rank 0: the forward started an all-reduce of 144 B on the default group (all 2 ranks); expected one " \
            "all-reduce of 144 B" in message, message
     assert message.count("hint: a collective ran on another process group than the one passed in (ranks [0, 1]): " \
-                         "give group=group to dist.all_reduce") == 2, message        # once per rank
+                         "give group=group to dist.all_reduce") == 1, message        # once, not once per rank
+    assert "\n  rank 1: the forward started an all-reduce of 144 B on the default group" in message, message
+    assert message.endswith("\n    hint: the same as rank 0's, above"), message
     with pytest.raises(AssertionError, match=r"two groups of t = 2 side by side on 4 ranks, \[0, 1\] and \[2, 3\]:\n"
                                              r"  rank 0: \(group \[0, 1\], its rank 0\) x\.grad after f's backward "
                                              r"differs from the sum of the group's gradients .*\n"
                                              r"    hint: a collective ran on another process group"):
         checks.check_f_and_g(ns["f"], ns["g"], cases=("large",))
+
+
+def _repeated_hints(message: str) -> list[str]:
+    """The hints printed more than once in ``message``: ``hint:`` lines, and the checks' own inline hints."""
+    lines = re.findall(r"^    hint: .*$", message, re.M)
+    texts = [h.change for h in tp_checks._HINTS if message.count(h.change) > 1]
+    return sorted({line for line in lines if lines.count(line) > 1}) + texts
+
+
+@pytest.mark.parametrize("ns, check, shown", [
+    (F_WITHOUT_ALL_REDUCE, "check_f_and_g", r"it is this rank's own gradient, not the sum over the group: f's backward "
+                                            r"must all-reduce it"),
+    (F_WITHOUT_ALL_REDUCE, "check_column_parallel", r"it is this rank's own partial gradient, through its slice of "
+                                                    r"the layer only: f's backward must all-reduce"),
+    (G_ALL_REDUCES_BACKWARD, "check_row_parallel", r"it is t times the serial layer's: g's backward all-reduced"),
+    (G_ALL_REDUCES_BACKWARD, "check_parallel_mlp", r"it is t times the serial layer's: g's backward all-reduced"),
+    (BIAS_ON_EVERY_RANK, "check_row_parallel", r"it is the serial output plus \(t-1\) times the bias: each rank added"),
+    (GATHERS_THE_OUTPUT, "check_column_parallel", r"the whole output: the column layer's output stays split"),
+    (DEFAULT_GROUP, "check_column_parallel", r"\n    hint: a collective ran on another process group"),
+])
+def test_a_hint_every_rank_repeats_is_printed_once(ns, check, shown):
+    """Each rank of the group makes the same mistake: the hint once, the later ranks pointing to rank 0's line."""
+    students = {"check_f_and_g": ("f", "g"), "check_column_parallel": ("ColumnParallelLinear",),
+                "check_row_parallel": ("RowParallelLinear",),
+                "check_parallel_mlp": ("ColumnParallelLinear", "RowParallelLinear")}[check]
+    with pytest.raises(AssertionError) as info:
+        getattr(checks, check)(*(ns[name] for name in students))
+    message = str(info.value)
+    assert "is wrong on 2 ranks in t = 2 on 2 ranks:\n  rank 0: " in message and "\n  rank 1: " in message, message
+    assert re.search(f"  rank 0: .*{shown}", message), message
+    assert not _repeated_hints(message), message
+    assert "(the same as rank 0's, above)" in message or "hint: the same as rank 0's, above" in message, message
+
+
+def test_hints_once_keeps_what_each_rank_found_and_distinct_hints():
+    hint = tp_checks._G_BACKWARD
+    message = (f"the pair f, g is wrong on 3 ranks in t = 3 on 3 ranks:\n"
+               f"  rank 0: x.grad differs by up to 1 (tolerance 1e-05): {hint}\n    hint: one\n"
+               f"  rank 1: x.grad differs by up to 2 (tolerance 1e-05): {hint}\n    hint: two\n"
+               f"  rank 2: x.grad differs by up to 3 (tolerance 1e-05): {hint}\n    hint: one")
+    assert hints_once(message, tp_checks._HINTS).split("\n")[1:] == [
+        f"  rank 0: x.grad differs by up to 1 (tolerance 1e-05): {hint}", "    hint: one",
+        f"  rank 1: x.grad differs by up to 2 (tolerance 1e-05): {hint.what} (the same as rank 0's, above)",
+        "    hint: two",
+        f"  rank 2: x.grad differs by up to 3 (tolerance 1e-05): {hint.what} (the same as rank 0's, above)",
+        "    hint: the same as rank 0's, above"]
 
 
 def test_g_that_all_reduces_its_input_in_place_is_named():

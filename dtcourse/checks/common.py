@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import re
 import sys
 import tempfile
 import traceback
@@ -194,6 +195,68 @@ def _launch_check(label: str, world_size: int, rank_fn: Callable, args: tuple, t
         more = f"\n  ... and {len(failures) - 4} more ranks" if len(failures) > 4 else ""
         raise AssertionError(f"{label} is wrong{where} in {failures[0][1][0]}:\n  "
                              + "\n  ".join(lines) + more)
+
+
+@dataclass(frozen=True)
+class Hint:
+    """A guess at the mistake, as a rank words it: what it found, then what to change (``hints_once``)."""
+
+    what: str
+    change: str
+    sep: str = ": "
+
+    def __str__(self) -> str:
+        return f"{self.what}{self.sep}{self.change}"
+
+
+_RANK_LINE = re.compile(r"  rank (\d+): ")
+
+
+def hints_once(message: str, inline: Sequence[Hint] = (), pointers: Sequence[str] = ()) -> str:
+    """``message`` with each distinct hint once: a later rank that repeats one points to the rank that shows it.
+
+    ``_launch_check`` lists every failing rank's message, and the ranks of a group mostly make the same mistake,
+    so each would repeat the same hint. A ``hint:`` line seen on an earlier rank becomes "hint: the same as
+    rank N's, above"; an ``inline`` hint seen before keeps what this rank found and drops what to change; a line
+    of ``pointers`` seen before goes.
+    """
+    seen: dict[str, str | None] = {}
+    rank, lines = None, []
+
+    def where(key: str) -> str:
+        return f"the same as rank {seen[key]}'s, above" if seen[key] is not None else "the same as above"
+
+    for line in message.split("\n"):
+        head = _RANK_LINE.match(line)
+        rank = head.group(1) if head else rank
+        if line.startswith("    hint: "):
+            key = line.strip()
+            if key in seen:
+                line = f"    hint: {where(key)}"
+            else:
+                seen[key] = rank
+        elif line.startswith("    ") and line.strip() in pointers:
+            if line.strip() in seen:
+                continue
+            seen[line.strip()] = rank
+        for hint in inline:
+            key = str(hint)
+            if key in line:
+                if key in seen:
+                    line = line.replace(key, f"{hint.what} ({where(key)})")
+                else:
+                    seen[key] = rank
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def _launch_hints_once(*args, inline: Sequence[Hint] = (), pointers: Sequence[str] = (), **kwargs) -> None:
+    """``_launch_check``; its error (the same one: a deadlock stays marked one) with each hint once."""
+    try:
+        _launch_check(*args, **kwargs)
+    except AssertionError as error:
+        error.args = (hints_once(str(error), inline, pointers),)
+        raise
 
 
 def _stop_at_first_failure(cases: Iterable[tuple[str, Callable[[], str | None]]], progress: str) -> list:

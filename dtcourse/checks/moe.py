@@ -21,16 +21,20 @@ Fedus et al., arXiv 2101.03961)::
 
 A failure names the rank (and its place in its group), the configuration (E, top-k, capacity factor and C),
 the token, choice, expert and slot, what was expected and what came back, with a hint for the usual mistakes:
-second choices queued before first ones, positions from 1, a dropped choice sent past its expert's slots, the
+second choices queued before first ones, positions from 1, a choice past its expert's capacity sent (into the
+next expert's slots, or wrapped round or clamped into its own: which expert overflowed, and by how many), the
 wrong layout, the gate not applied or swapped, a dropped token's output not zero, a slot read from the wrong
-row, an all-to-all on the default group. Every rank builds every rank's tokens and routing from the same
-seeds, so each computes what it expects with no communication. While the student's code runs, the course's
-``positions_in_expert``, ``dispatch_padded`` and ``combine_padded`` refuse to run (``guard.watching``).
+row, an all-to-all on the default group. The ranks of a group mostly make the same mistake: each distinct hint
+is printed once in a message, on the first rank that shows it, and a later rank that repeats it points to that
+rank's line. Every rank builds every rank's tokens and routing from the same seeds, so each computes what it
+expects with no communication. While the student's code runs, the course's ``positions_in_expert``,
+``dispatch_padded`` and ``combine_padded`` refuse to run (``guard.watching``).
 """
 
 from __future__ import annotations
 
 import copy
+import re
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -41,8 +45,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch._C._distributed_c10d import ProcessGroup
 
-from dtcourse.checks.common import (_as_student, _check_names, _GroupPlace, _launch_check, _refuse_library_code,
-                                     _SideBySide, _stop_at_first_failure)
+from dtcourse.checks.common import (Hint, _as_student, _check_names, _GroupPlace, _launch_check,
+                                     _launch_hints_once, _refuse_library_code, _SideBySide, _stop_at_first_failure)
 from dtcourse.checks.guard import Answers, _nbytes, watching
 from dtcourse.models.moe import MoE, Routing, capacity, route
 
@@ -86,9 +90,20 @@ _ADVICE = "Write it yourself, in the exercise's cell, and pass that."
 _HINT = ("This is most likely a deadlock: a rank waits in an all-to-all that another rank of its group never "
          "started. Every rank of the group must run the same all-to-alls, in the same order, on the same group. "
          "Raise timeout= only if your code is merely slow.")
+_POINTER = "check_moe_positions names it on smaller routings"
+_DROP = ("A choice at position >= C is dropped, not sent: send only the kept ones, kept = position < C "
+         "(routing.kept), as the lesson's route does")
 _LAYOUT = ("the received buffer is laid out (source rank, local expert, slot): row s·(E/ep)·C + l·C + c. Build the "
            "send buffer (E·C, d) with each kept choice at row expert·C + position, zeros elsewhere, and split it "
            "equally: rank q gets rows [q·(E/ep)·C, (q+1)·(E/ep)·C), its experts' slots")
+
+
+_CUT = Hint("the gates' gradient is cut",
+            "keep routing.gates in the graph (no .detach(), .item() or .tolist() on them)")
+_UNREACHED = Hint("the outputs' gradient never reached this rank's experts",
+                  "combine's all-to-all must be differentiable (the given all_to_all is; dist.all_to_all_single "
+                  "alone is not)")
+_HINTS = (_CUT, _UNREACHED)          # hints that read the same on every rank: printed once (hints_once)
 
 
 @dataclass(frozen=True)
@@ -273,8 +288,8 @@ def check_moe_positions(fn: Callable, cases: Sequence[str] = ("small",), timeout
     """
     _check_names("check_moe_positions", fn, cases, POSITION_CASES)
     _refuse_library_code("check_moe_positions", fn, ANSWERS.exercise, _ADVICE)
-    _launch_check(getattr(fn, "__name__", "your function"), 1, _positions_rank, (fn, tuple(cases)), timeout,
-                  where="", hint="Does a loop in it never end?")
+    _launch_hints_once(getattr(fn, "__name__", "your function"), 1, _positions_rank, (fn, tuple(cases)), timeout,
+                       where="", hint="Does a loop in it never end?", inline=_HINTS, pointers=(_POINTER,))
 
 
 def _positions_rank(fn: Callable, cases: tuple[str, ...], progress: str) -> list:
@@ -332,6 +347,54 @@ def _choice_text(routing: Routing, i: int, j: int, local: int) -> str:
     return f"its choice {j} to expert {e}, slot {p}, which rank {e // local} receives"
 
 
+def _over_capacity(routing: Routing, e: int, whose: str) -> str:
+    """'expert e is over capacity in <whose> routing: ...': how many of its choices are past C."""
+    C = routing.capacity
+    n = int(((routing.experts == e) & (routing.positions >= C)).sum())
+    past = f"{n} choices, at positions {C} to {C + n - 1}, are" if n > 1 else f"one choice, at position {C}, is"
+    return (f"expert {e} is over capacity in {whose} routing: its tokens chose it {C + n} times for C = {C} "
+            f"slots, so {past} past C")
+
+
+def _overflow(got: torch.Tensor, want: torch.Tensor, tokens: list[torch.Tensor], routings: list[Routing], r: int,
+              local: int, lead: str = "a dropped choice was sent") -> str:
+    """The capacity hint if rank r received a choice past its expert's capacity; '' if none arrived.
+
+    Sending every choice, dropped ones too, puts a choice at position p >= C at row expert·C + p: past its
+    expert's C slots, into the next expert's (or past the buffer, for the last expert: ``_student``); with the
+    position taken modulo C, or clamped, it lands on its own expert's slots. A slot that holds (or adds) a token
+    that only such a choice could have put there names the expert that overflowed, and by how many.
+    """
+    C, ep = routings[0].capacity, len(tokens)
+    got, want = got.detach().reshape(ep, local, C, -1), want.view(ep, local, C, -1)
+    for s, routing in enumerate(routings):
+        dropped = sorted(((int(routing.experts[i, j]), int(routing.positions[i, j]), i, j)
+                          for i, j in (~routing.kept).nonzero().tolist()))
+        for l, c in ((l, c) for l in range(local) for c in range(C)):
+            e, row, slot = r * local + l, got[s, l, c], want[s, l, c]
+            if torch.equal(row, slot):
+                continue
+            for owner, p, i, j in dropped:
+                token = tokens[s][i]
+                if not (torch.equal(row, token) or (slot.any() and torch.allclose(row, slot + token, atol=1e-6))):
+                    continue
+                if owner * C + p == e * C + c:
+                    how = (f"went to row expert·C + position = {owner * C + p} of the send buffer: past expert "
+                           f"{owner}'s C slots, into expert {e}'s slot {c}")
+                elif owner == e and p % C == c:
+                    how = f"wrapped round onto expert {e}'s slot {c} = {p} mod C, the slot of a kept choice"
+                elif owner == e and c == C - 1:
+                    how = f"was clamped onto expert {e}'s last slot, {c}, the slot of a kept choice"
+                elif not routing.kept[i].any():
+                    how = f"arrived in expert {e}'s slot {c}, though every choice of token {i} was dropped"
+                else:
+                    continue
+                whose = f"rank {s}'s"
+                return (f"{lead}: {_over_capacity(routing, owner, whose)}. Token {i}'s choice {j} ({whose}), at "
+                        f"position {p}, {how}. {_DROP}")
+    return ""
+
+
 def _received_problem(got: torch.Tensor, want: torch.Tensor, tokens: list[torch.Tensor], routings: list[Routing],
                       place: _Place, local: int) -> str | None:
     if torch.equal(got.detach(), want):
@@ -344,7 +407,7 @@ def _received_problem(got: torch.Tensor, want: torch.Tensor, tokens: list[torch.
     owner, filled = placed.get((e, c)), sum(1 for (x, p) in placed if x == e and p < C)
     expected = (f"token {owner[0]} of rank {s} (its choice {owner[1]})" if owner else
                 f"zeros (an empty slot: rank {s}'s tokens fill {filled} of expert {e}'s C = {C} slots)")
-    found_row, hint = got.detach()[row], ""
+    found_row, hint = got.detach()[row], _overflow(got, want, tokens, routings, r, local)
     match = [(q, i) for q in range(len(tokens)) for i in range(N) if torch.equal(found_row, tokens[q][i])]
     if not found_row.any():
         found = "zeros"
@@ -355,13 +418,7 @@ def _received_problem(got: torch.Tensor, want: torch.Tensor, tokens: list[torch.
         found = f"token {i} of rank {q}"
         choices = [_choice_text(routings[q], i, j, local) for j in range(routings[q].experts.shape[1])]
         found += f" ({'; '.join(choices)})"
-        dropped = [j for j in range(routings[q].experts.shape[1]) if not routings[q].kept[i, j]]
-        if dropped and not any(int(routings[q].experts[i, j]) == e and int(routings[q].positions[i, j]) == c
-                               for j in range(routings[q].experts.shape[1]) if routings[q].kept[i, j]):
-            hint = ("a dropped choice was sent: its row expert·C + position, past its expert's C slots, spilled "
-                    "into the next expert's. Send only the kept choices (routing.kept)")
-        else:
-            hint = _LAYOUT
+        hint = hint or _LAYOUT
     else:
         gated = [(q, i, j) for q in range(len(tokens)) for i in range(N) for j in range(routings[q].experts.shape[1])
                  if torch.allclose(found_row, tokens[q][i] * routings[q].gates[i, j].detach(), atol=1e-6)]
@@ -369,7 +426,7 @@ def _received_problem(got: torch.Tensor, want: torch.Tensor, tokens: list[torch.
         if gated:
             q, i, j = gated[0]
             found = f"token {i} of rank {q} times its choice {j}'s gate"
-            hint = "dispatch sends the tokens as they are; combine applies the gates to the experts' outputs"
+            hint = hint or "dispatch sends the tokens as they are; combine applies the gates to the experts' outputs"
     return (f"the received buffer, {_row_name(row, r, local, C)}: expected {expected}, found {found}"
             + (f"\n    hint: {hint}" if hint else ""))
 
@@ -403,8 +460,8 @@ def _launch(check: str, label: str, rank_case: Callable, students: tuple, cases:
     chosen = [case for name in cases for case in MOE_CASES[name][1]]
     for world in sorted({case.world for case in chosen}):
         mine = tuple(case for case in chosen if case.world == world)
-        _launch_check(label, world, _rank, (rank_case, students, mine), timeout, where=f" on {world} ranks",
-                      hint=_HINT)
+        _launch_hints_once(label, world, _rank, (rank_case, students, mine), timeout, where=f" on {world} ranks",
+                           hint=_HINT, inline=_HINTS, pointers=(_POINTER,))
 
 
 def _rank(rank_case: Callable, students: tuple, cases: tuple[_Case, ...], progress: str) -> list:
@@ -478,10 +535,11 @@ def _student(progress: str, call: Callable, routing: Routing, n_expert: int, pla
         hint = place.group_hint()
         if bool((rows >= n_expert * routing.capacity).any()):
             i, j = (rows >= n_expert * routing.capacity).nonzero()[0].tolist()
-            hint += (f"\n    hint: token {i}'s choice {j} was dropped (expert {int(routing.experts[i, j])}, position "
-                     f"{int(routing.positions[i, j])} >= C = {routing.capacity}); its row expert·C + position = "
-                     f"{int(rows[i, j])} is past the buffer's E·C = {n_expert * routing.capacity} rows. Only kept "
-                     "choices have a slot: use routing.kept")
+            over = _over_capacity(routing, int(routing.experts[i, j]), "this rank's")
+            hint += (f"\n    hint: {over}, and token {i}'s choice {j}, at position {int(routing.positions[i, j])}, "
+                     f"has row expert·C + position = {int(rows[i, j])}, past the buffer's E·C = "
+                     f"{n_expert * routing.capacity} rows, so sending it (or reading its output back) fails as "
+                     f"above. {_DROP}")
         with Path(progress, f"{dist.get_rank()}.error").open("a") as error:
             error.write(hint)
         raise
@@ -563,6 +621,9 @@ def _layer_case(positions_in_expert: Callable, dispatch: Callable, combine: Call
     mine = range(r * local, (r + 1) * local)
     want = _one_process(full, xs, ups, r, mine)
     router, experts = copy.deepcopy(full.router), {e: copy.deepcopy(full.experts[e]) for e in mine}
+    with torch.no_grad():        # every rank's routing (its positions checked first), for the capacity hint
+        tokens = [t.reshape(N, D) for t in xs]
+        routings = [route(full.router(t), cfg.k, cfg.cf) for t in tokens]
     x = xs[r].reshape(N, D).clone().requires_grad_()
     with watching(ANSWERS), place.recording():
         place.at("forward, positions_in_expert")
@@ -572,8 +633,7 @@ def _layer_case(positions_in_expert: Callable, dispatch: Callable, combine: Call
         gates = top if cfg.k == 1 else top / top.sum(dim=-1, keepdim=True)
         pos = _as_student(progress, lambda: positions_in_expert(chosen.clone(), cfg.E))
         problem = _positions_problem(pos, chosen, cfg.E, f"rank {r}'s {N} tokens, {cfg}")
-        problem = place.agree(f"your {problem}\n    check_moe_positions names it on smaller routings"
-                              if problem else None)
+        problem = place.agree(f"your {problem}\n    {_POINTER}" if problem else None)
         if problem is not None:
             return problem
         routing = Routing(chosen, gates, pos.long(), pos.long() < C, probs, logits, C)
@@ -588,7 +648,9 @@ def _layer_case(positions_in_expert: Callable, dispatch: Callable, combine: Call
         place.at("forward, combine")
         y = _student(progress, lambda: combine(outputs, routing, place.group), routing, cfg.E, place)
         problem = (_form("combine(outputs, routing, group)", y, want.out, "(N, d)")
-                   or _output_problem(y, want, routing, cfg)
+                   or _output_problem(y, want, routing, cfg, lambda: _overflow(
+                       received, _expected_received(tokens, routings, r, local), tokens, routings, r, local,
+                       "your dispatch sent a dropped choice (check_moe_dispatch names the row it landed in)"))
                    or place.traffic("the layer's forward", 2, cfg.E * C,
                                     ["forward, positions_in_expert", "forward, dispatch", "forward, combine"]))
         if problem is None and not y.requires_grad:
@@ -599,10 +661,7 @@ def _layer_case(positions_in_expert: Callable, dispatch: Callable, combine: Call
             return problem
         place.at("backward")
         _as_student(progress, lambda: y.backward(ups[r].reshape(N, D)))
-        cut = ("the gates' gradient is cut: keep routing.gates in the graph (no .detach(), .item() or .tolist() on "
-               "them)")
-        unreached = ("the outputs' gradient never reached this rank's experts: combine's all-to-all must be "
-                     "differentiable (the given all_to_all is; dist.all_to_all_single alone is not)")
+        cut, unreached = str(_CUT), str(_UNREACHED)
         return (next(filter(None, (_grad_problem(f"expert {e}'s {n} gradient", p.grad,
                                                  want.expert_grads[f"expert {e}'s {n}"], unreached)
                                    for e in mine for n, p in experts[e].named_parameters())), None)
@@ -611,7 +670,13 @@ def _layer_case(positions_in_expert: Callable, dispatch: Callable, combine: Call
                 or place.traffic("the layer's backward", 2, cfg.E * C, ["backward"]))
 
 
-def _output_problem(y: torch.Tensor, want: _OneProcess, routing: Routing, cfg: _Config) -> str | None:
+def _output_problem(y: torch.Tensor, want: _OneProcess, routing: Routing, cfg: _Config,
+                    overflow: Callable[[], str] = str) -> str | None:
+    """None if combine's output is the one-process layer's; else the first token that differs, with a hint.
+
+    ``overflow()``: the capacity hint if dispatch delivered a choice past its expert's capacity, the cause
+    to name before any of combine's own mistakes.
+    """
     diff = (y.detach() - want.out).abs().amax(1)
     if not diff.max() > MOE_TOL and not torch.isnan(diff).any():
         return None
@@ -621,11 +686,18 @@ def _output_problem(y: torch.Tensor, want: _OneProcess, routing: Routing, cfg: _
         f"slot {int(pos[i, j])} (row {int(experts[i, j]) * C + int(pos[i, j])} of the returned buffer), gate "
         f"{float(gates[i, j]):.3f}" if kept[i, j] else f"position {int(pos[i, j])}, dropped (C = {C})")
         for j in range(cfg.k))
+    hint = overflow() or _combine_mistake(y.detach()[i], i, routing, cfg, ret)
+    return (f"token {i}'s output differs from the one-process layer's by up to {float(diff[i]):.3g} (tolerance "
+            f"{MOE_TOL:g}); its {choices}" + (f"\n    hint: {hint}" if hint else ""))
+
+
+def _combine_mistake(found: torch.Tensor, i: int, routing: Routing, cfg: _Config, ret: torch.Tensor) -> str:
+    """What combine did with token i's choices, if a usual mistake gives its output ``found``; '' if none."""
+    C, experts, pos, kept, gates = cfg.C, routing.experts, routing.positions, routing.kept, routing.gates.detach()
     slot = (experts * C + pos).clamp(max=cfg.E * C - 1)
-    hint = ""
     plain = sum(kept[:, j, None] * ret[slot[:, j]] for j in range(cfg.k))
     swapped = sum(kept[:, j, None] * gates[:, cfg.k - 1 - j, None] * ret[slot[:, j]] for j in range(cfg.k))
-    found = y.detach()[i]
+    hint = ""
     if torch.allclose(found, plain[i], atol=MOE_TOL):
         hint = "the gate is not applied: add gate × output for each kept choice (routing.gates[:, j])"
     elif cfg.k > 1 and torch.allclose(found, swapped[i], atol=MOE_TOL):
@@ -646,8 +718,7 @@ def _output_problem(y: torch.Tensor, want: _OneProcess, routing: Routing, cfg: _
                         f"the all-to-all returned, not row expert·C + position = {int(slot[i, j])}: combine's "
                         "all-to-all puts every row back where dispatch took it from, the send buffer's layout")
                 break
-    return (f"token {i}'s output differs from the one-process layer's by up to {float(diff[i]):.3g} (tolerance "
-            f"{MOE_TOL:g}); its {choices}" + (f"\n    hint: {hint}" if hint else ""))
+    return hint
 
 
 def _grad_problem(name: str, got: object, want: torch.Tensor, if_none: str = "", if_zero: str = "") -> str | None:

@@ -24,14 +24,17 @@ bias, and calls g on its partial sum before adding the bias once. Four checks::
 A failure names the rank (and its place in its group), the tensor (output, input gradient, weight or bias
 gradient) and how far it is, with a hint for the usual mistakes: f's backward without its all-reduce,
 g's backward with one, a split along the wrong dimension, the row layer's bias added on every rank, a
-collective on the default group instead of the one passed in. Every rank builds the serial layer from the
-same seed, so each computes what it expects with no communication. While the student's code runs,
+collective on the default group instead of the one passed in. The ranks of a group mostly make the same
+mistake: each distinct hint is printed once in a message, on the first rank that shows it, and a later rank
+that repeats it says what its tensor is and points to that rank's line. Every rank builds the serial layer from
+the same seed, so each computes what it expects with no communication. While the student's code runs,
 ``dtcourse.tensor_parallel``'s layers and operators refuse to run (``guard.watching``).
 """
 
 from __future__ import annotations
 
 import copy
+import re
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Sequence
@@ -42,8 +45,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch._C._distributed_c10d import ProcessGroup
 
-from dtcourse.checks.common import (_as_student, _check_names, _GroupPlace, _launch_check, _refuse_library_code,
-                                     _SideBySide, _stop_at_first_failure, _student_error)
+from dtcourse.checks.common import (Hint, _as_student, _check_names, _GroupPlace, _launch_check, _launch_hints_once,
+                                     _refuse_library_code, _SideBySide, _stop_at_first_failure, _student_error)
 from dtcourse.checks.guard import Answers, _nbytes, watching
 
 __all__ = ["check_f_and_g", "check_column_parallel", "check_row_parallel", "check_parallel_mlp", "TP_CASES",
@@ -84,20 +87,32 @@ _ADVICE = "Write it yourself, in the exercise's cell, and pass that."
 _HINT = ("This is most likely a deadlock: a rank waits in an all-reduce that another rank of its group never "
          "started. Every rank of the group must run the same collectives, in the same order, on the same group. "
          "Raise timeout= only if your code is merely slow.")
-_F_BACKWARD = ("it is this rank's own partial gradient, through its slice of the layer only: f's backward must "
-               "all-reduce the input's gradient over the group (every rank used the whole input, so each holds "
-               "one part of its gradient)")
-_F_FORWARD = ("it is what t times the input gives: f's forward all-reduced the input, but every rank already "
-              "holds the whole input. f's forward is the identity")
-_G_FORWARD = ("it is this rank's partial sum X_r A_r, not the sum over the group: g's forward must all-reduce the "
-              "partial sums over the group")
-_G_BACKWARD = ("it is t times the serial layer's: g's backward all-reduced a gradient that every rank of the "
-               "group already holds whole (everything after g is replicated), so the sum counts it t times. "
-               "g's backward is the identity")
-_BIAS = ("it is the serial output plus (t-1) times the bias: each rank added the bias before the all-reduce, so "
-         "the sum holds it t times. Add it once, after g")
 
 
+_F_OWN = Hint("it is this rank's own gradient, not the sum over the group",
+               "f's backward must all-reduce it (every rank used the whole input, so each holds one part of its "
+               "gradient)")
+_F_BACKWARD = Hint("it is this rank's own partial gradient, through its slice of the layer only",
+                    "f's backward must all-reduce the input's gradient over the group (every rank used the whole "
+                    "input, so each holds one part of its gradient)")
+_F_FORWARD = Hint("it is what t times the input gives",
+                   "f's forward all-reduced the input, but every rank already holds the whole input. f's forward is "
+                   "the identity")
+_G_FORWARD = Hint("it is this rank's partial sum X_r A_r, not the sum over the group",
+                   "g's forward must all-reduce the partial sums over the group")
+_G_BACKWARD = Hint("it is t times the serial layer's",
+                    "g's backward all-reduced a gradient that every rank of the group already holds whole (everything "
+                    "after g is replicated), so the sum counts it t times. g's backward is the identity")
+_BIAS = Hint("it is the serial output plus (t-1) times the bias",
+              "each rank added the bias before the all-reduce, so the sum holds it t times. Add it once, after g")
+_WHOLE_OUTPUT = Hint("the whole output", "the column layer's output stays split, each rank its out/t features")
+_WHOLE_WEIGHT = Hint("that is the whole weight", "keep only this rank's slice", "; ")
+_TRANSPOSE = Hint("that is the transpose", "keep nn.Linear's layout (out, in) and use F.linear", "; ")
+_WHOLE_BIAS = Hint("the output is whole on every rank after g",
+                    "so every rank keeps the whole bias and adds it once, after the all-reduce", ", ")
+# the hints that read the same on every rank: printed once (common.hints_once)
+_HINTS = (_F_OWN, _F_BACKWARD, _F_FORWARD, _G_FORWARD, _G_BACKWARD, _BIAS, _WHOLE_OUTPUT, _WHOLE_WEIGHT, _TRANSPOSE,
+          _WHOLE_BIAS)
 # --------------------------------------------------------------------------- #
 # One case on this rank: its group, and every collective its code starts
 # --------------------------------------------------------------------------- #
@@ -164,7 +179,7 @@ def _linear(n_in: int, n_out: int, seed: int) -> nn.Linear:
 # --------------------------------------------------------------------------- #
 # What a rank holds, and how a tensor differs from the serial layer's
 # --------------------------------------------------------------------------- #
-def _mismatch(name: str, got: object, want: torch.Tensor, hints: Sequence[tuple[torch.Tensor, str]] = (),
+def _mismatch(name: str, got: object, want: torch.Tensor, hints: Sequence[tuple[torch.Tensor, _Hint]] = (),
               than: str = "the serial layer's") -> str | None:
     if not isinstance(got, torch.Tensor):
         return (f"{name} is {type(got).__name__}, not a tensor" + (": did something return None, or did autograd "
@@ -211,19 +226,18 @@ def _held_problem(layer: object, name: str, full: nn.Linear, dim: int, place: _P
         if got.shape != expected.shape:
             hint = ""
             if attr == "weight" and tuple(got.shape) == tuple(full.weight.shape):
-                hint = ": that is the whole weight; keep only this rank's slice"
+                hint = f": {_WHOLE_WEIGHT}"
             elif attr == "weight" and got.dim() == 2 and got.shape[dim] == full.weight.shape[dim]:
                 other = ("RowParallelLinear", "ColumnParallelLinear")[dim]
                 hint = (f": you split dimension {1 - dim} of nn.Linear's weight (out, in), the "
                         f"{('input', 'output')[dim]} features, which is {other}'s split. {name} keeps {what}")
             elif attr == "weight" and tuple(got.shape) == tuple(expected.shape[::-1]):
-                hint = ": that is the transpose; keep nn.Linear's layout (out, in) and use F.linear"
+                hint = f": {_TRANSPOSE}"
             elif place.rank != place.r and got.shape[dim] < expected.shape[dim]:
                 hint = (f": this is rank {place.rank} of the world but rank {place.r} of its group: r is "
                         "dist.get_rank(group), the rank within the tensor-parallel group")
             elif attr == "bias" and dim == 1:
-                hint = (": the output is whole on every rank after g, so every rank keeps the whole bias and adds it "
-                        "once, after the all-reduce")
+                hint = f": {_WHOLE_BIAS}"
             return f"{name}.{attr} has shape {tuple(got.shape)}; expected {tuple(expected.shape)}{hint}"
         if not torch.equal(got.detach(), expected):
             n = got.shape[dim] if attr == "weight" else 0
@@ -267,7 +281,8 @@ def _launch(check: str, label: str, rank_case: Callable, students: tuple, cases:
     chosen = [case for name in cases for case in TP_CASES[name][1]]
     for world in sorted({case.world for case in chosen}):
         mine = tuple(case for case in chosen if case.world == world)
-        _launch_check(label, world, _rank, (rank_case, students, mine), timeout, where=f" on {world} ranks", hint=_HINT)
+        _launch_hints_once(label, world, _rank, (rank_case, students, mine), timeout, where=f" on {world} ranks",
+                           hint=_HINT, inline=_HINTS)
 
 
 def _rank(rank_case: Callable, students: tuple, cases: tuple[_Case, ...], progress: str) -> list:
@@ -296,8 +311,6 @@ def _f_and_g_case(f: Callable, g: Callable, place: _Place, progress: str) -> str
     parts = [_randn((B, T, C), place.seed + 20 + k) for k in range(place.t)]   # g's input: partial sums
     grad = _randn((B, T, C), place.seed + 30)                                   # g's upstream gradient, replicated
     mine = parts[place.r].clone().requires_grad_()
-    own = ("it is this rank's own gradient, not the sum over the group: f's backward must all-reduce it (every rank "
-           "used the whole input, so each holds one part of its gradient)")
     cut = "autograd never reaches {0}'s backward: return what your autograd.Function's apply returns"
     with watching(ANSWERS), place.recording():
         place.at("f's forward")
@@ -308,7 +321,7 @@ def _f_and_g_case(f: Callable, g: Callable, place: _Place, progress: str) -> str
             return problem or f"f(x, group) returned a tensor that does not require grad: {cut.format('f')}"
         place.at("f's backward")
         _as_student(progress, lambda: y.backward(ups[place.r]))
-        problem = (_mismatch("x.grad after f's backward", x.grad, sum(ups), [(ups[place.r], own)],
+        problem = (_mismatch("x.grad after f's backward", x.grad, sum(ups), [(ups[place.r], _F_OWN)],
                              than="the sum of the group's gradients")
                    or place.traffic("f's backward", x, "f's backward sums the ranks' gradients of the input"))
         if problem:
@@ -361,7 +374,7 @@ def _column_case(cls: Callable, place: _Place, progress: str) -> str | None:
         summed = F.linear(place.t * x, serial.weight.detach()[rows], serial.bias.detach()[rows])   # f summed x
         problem = _mismatch("the output", y, out.detach()[..., rows], [(summed, _F_FORWARD)])
         if problem and isinstance(y, torch.Tensor) and tuple(y.shape) == tuple(out.shape):
-            problem += ", the whole output: the column layer's output stays split, each rank its out/t features"
+            problem += f", {_WHOLE_OUTPUT}"
         problem = problem or place.traffic("the forward", None, "f's forward is the identity")
         if problem:
             return problem

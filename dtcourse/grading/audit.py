@@ -9,8 +9,8 @@ import their checks themselves and the checks run fresh copies of their modules 
 * binds the name of one of the course's checks (a ``check_...`` function of ``dtcourse.checks``),
   other than by importing that very check from ``dtcourse.checks``; a helper of the student's own
   called ``check_split``, or one the exercise offers (``check_divides``), is left alone;
-* assigns to, deletes or ``setattr``s an attribute or item of ``dtcourse``, ``torch.distributed``,
-  ``torch.utils.checkpoint``, ``sys``, ``builtins`` or ``importlib`` (or of a name imported from them);
+* assigns to, deletes or ``setattr``s an attribute or item of ``dtcourse``, ``torch`` (not
+  ``torch.backends``), ``sys``, ``builtins`` or ``importlib`` (or of a name imported from them);
 * names the grading's own guards (``dtcourse.runtime.refuse``, ``dtcourse.checks.guard``) or
   reloads a module.
 
