@@ -1,13 +1,13 @@
 """Exercise 05 (a checkpointed sequential container): the released notebook, its checks and the autograder.
 
-A checkpoint that forgets to replay the RNG fails only the hidden check with dropout, told why.
-The checks of the technique (what is held after the forward, what backward recomputes, the peak
-during backward, what is left after it) carry 7 of the 12 points, so a container that keeps every
-activation scores under half, and one that never lets its recomputed tensors go fails the memory
-checks. A replay without gradients, or from an input without requires_grad, is told so. The
-course's answers and torch.utils.checkpoint are refused. Full marks for the solution and zero for
-the untouched exercise are checked with every exercise's, in ``test_grading.py``. Each grading run
-starts one Jupyter kernel (a few seconds). Run just these with
+A checkpoint that forgets to replay the RNG fails only the hidden check with dropout, told why. The
+checks of the technique (what is held after the forward, what backward recomputes, the peak during
+backward, what is left after it) carry 7 of the 12 points, so a container that keeps every
+activation scores under half, and one that never lets its recomputed tensors go, or keeps each until
+backward is past its segment, fails the memory checks. A replay without gradients, or from an input
+without requires_grad, is told so. The course's answers and torch.utils.checkpoint are refused. Full
+marks for the solution and zero for the untouched exercise are checked with every exercise's, in
+``test_grading.py``. Each grading run starts one Jupyter kernel (a few seconds). Run just these with
 ``pytest -q test_checkpointing_exercise.py``, and everything about this exercise with
 ``pytest -q tests -k "05_checkpointing_sequential or test_checkpointing_exercise"``.
 
@@ -60,6 +60,38 @@ def checkpoint(fn, x):
 KEEPS_EVERYTHING = '''
 def checkpoint(fn, x):
     with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        return fn(x)
+'''
+# Right gradients, each layer recomputed once, a peak within the slack and nothing left when backward
+# returns, but unpack remembers every tensor it handed out: a segment's recomputed tensors all stay
+# alive until backward is past the segment, instead of going one by one as backward uses them.
+NEVER_FORGETS = '''
+class _Region:
+    def __init__(self, fn, x):
+        self.fn, self.x, self.rng = fn, x, torch.get_rng_state()
+        self.saved, self.replayed, self.handed_out = 0, None, []
+
+    def pack(self, tensor):
+        self.saved += 1
+        return self.saved - 1
+
+    def unpack(self, position):
+        if self.replayed is None:
+            kept = []
+            with torch.random.fork_rng():
+                torch.set_rng_state(self.rng)
+                with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(
+                        lambda t: kept.append(t.detach()), lambda _: None):
+                    self.fn(self.x.detach().requires_grad_(self.x.requires_grad))
+            self.replayed = dict(enumerate(kept))
+        tensor = self.replayed.pop(position)
+        self.handed_out.append(tensor)
+        return tensor
+
+
+def checkpoint(fn, x):
+    region = _Region(fn, x)
+    with torch.autograd.graph.saved_tensors_hooks(region.pack, region.unpack):
         return fn(x)
 '''
 # The course's answers, imported instead of written.
@@ -145,6 +177,20 @@ def test_keeping_every_tensor_scores_under_half(tmp_path):
     assert "segments=2" in result["check_memory_hidden"].message, result["check_memory_hidden"].message
 
 
+def test_keeping_what_unpack_handed_out_loses_the_technique_points(tmp_path):
+    report = grade_answers(NAME, tmp_path, dict(solution_code(NAME), checkpoint=NEVER_FORGETS))
+    result = by_id(report)
+    assert failed(report) == TECHNIQUE and report.score == 5, str(report)
+    message = result["check_memory"].message
+    assert "segments=3" in message and "during backward, 16,384 bytes (4.0 activations of (16, 64)), recomputed " \
+           "by layer(s) 4, 5, 6, 7 for segment 2 of 3 (layers 4 to 7), were still alive after the backward ops " \
+           "that read them were done" in message, message
+    assert "the course's checkpoint holds none that way" in message, message
+    assert "hand each one out once and forget it" in message, message
+    hidden = result["check_memory_hidden"].message
+    assert "segments=2" in hidden and "24,576 bytes (6.0 activations of (16, 64))" in hidden, hidden
+
+
 def test_importing_the_course_answers_scores_nothing(tmp_path):
     report = grade_answers(NAME, tmp_path, dict(solution_code(NAME), **IMPORTS_THE_COURSE))
     assert report.score == 0 and len(failed(report)) == EXPECTED[NAME].checks, str(report)
@@ -225,8 +271,40 @@ def _replaying(keep=lambda t: t.detach(), hand_out="pop", grad=True, requires_gr
     return checkpoint_fn
 
 
+class _Recompute(torch.autograd.Function):
+    """A checkpoint as a Function: forward without a graph, backward recomputes and runs its own backward.
+
+    ``anchor`` requires grad, so that the output needs a gradient even where ``x`` does not.
+    """
+
+    @staticmethod
+    def forward(ctx, x, anchor, fn):
+        ctx.fn, ctx.rng = fn, torch.get_rng_state()
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            return fn(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, = ctx.saved_tensors
+        x = x.detach().requires_grad_(ctx.needs_input_grad[0])
+        with torch.random.fork_rng():
+            torch.set_rng_state(ctx.rng)
+            with torch.enable_grad():
+                y = ctx.fn(x)
+        torch.autograd.backward(y, grad)        # y, the recomputed output, stays alive until this returns
+        return x.grad, None, None
+
+
+_ANCHOR = torch.empty(0, requires_grad=True)
+
+
+def _function_checkpoint(fn, x):
+    return _Recompute.apply(x, _ANCHOR, fn)
+
+
 def test_different_but_right_checkpoints_pass_every_check():
-    for checkpoint_fn in (_replaying(), _replaying(hand_out="keep until the segment is done")):
+    for checkpoint_fn in (_replaying(), _function_checkpoint):
         container = _container(checkpoint_fn)
         checks.check_checkpoint_gradients(container, cases=tuple(GRADIENT_CASES))
         checks.check_checkpoint_memory(container, segments=(3, 2, 4, 6))
@@ -241,6 +319,11 @@ NEVER_RELEASED = r"when backward\(\) returned, 40,960 bytes \(10\.0 activations 
     (_replaying(kept_forever=[]), NEVER_RELEASED + r".*were never let go$"),
     # kept with their grad_fn: a cycle through autograd that Python's collector cannot free
     (_replaying(keep=lambda t: t), NEVER_RELEASED + r".*carry a grad_fn.*Keep t\.detach\(\)"),
+    # handed out and kept: a segment's recomputed tensors all alive until backward is past the segment
+    (_replaying(hand_out="keep until the segment is done"),
+     r"during backward, 16,384 bytes \(4\.0 activations of \(16, 64\)\), recomputed by layer\(s\) 4, 5, 6, 7 for "
+     r"segment 2 of 3 \(layers 4 to 7\), were still alive after the backward ops that read them were done.*"
+     r"hand each one out once and forget it"),
     # copies of every saved tensor, weights included
     (_replaying(keep=lambda t: t.detach().clone()), r"during backward up to 126,984 bytes \(31\.0 activations of "
                                                     r"\(16, 64\)\) were alive at once; the course's checkpoint "
@@ -251,6 +334,14 @@ def test_memory_check_wants_recomputed_tensors_let_go(checkpoint_fn, complaint):
     checks.check_checkpoint_gradients(container, cases=("mlp",))          # the gradients are right
     with pytest.raises(AssertionError, match="(?s)segments=3:.*" + complaint):
         checks.check_checkpoint_memory(container)
+
+
+def test_keeping_what_was_handed_out_is_caught_at_every_segment_count():
+    # two layers a segment: the smallest such leak, two activations that outlive their use
+    with pytest.raises(AssertionError, match=r"(?s)segments=6:\n  during backward, 8,192 bytes \(2\.0 activations "
+                                             r"of \(16, 64\)\), recomputed by layer\(s\) 8, 9 for segment 5 of 6 "
+                                             r"\(layers 8 to 9\)"):
+        checks.check_checkpoint_memory(_container(_replaying(hand_out="keep")), segments=(6,))
 
 
 def test_a_leak_is_caught_by_what_is_left_when_the_peak_is_close():

@@ -2,13 +2,14 @@
 
 The checks test the algorithm, not only the answer: a step that averages right with an all-reduce
 fails the technique's checks (8 of the 14 points), one that keeps every gradient until backward ends
-(stage 1) or never frees the .grad fails part 1's (4 points), and each names the rank, the bucket and the bytes;
-a forgotten division, the wrong part, a missing all-gather and a full-model optimizer fail with a
-hint that says which; a deadlock fails after the timeout; the course's own ``dtcourse.zero.ZeRO``
-is refused. Everything here calls the checks directly (each launch forks its ranks in well under a
-second); full marks for the solution and zero for the untouched exercise are checked with every
-exercise's, in ``test_grading.py``. Run just these with ``pytest -q tests/test_zero_exercise.py``,
-and everything about this exercise with ``pytest -q tests -k "06_zero_stage2 or test_zero_exercise"``.
+(stage 1) or never frees the .grad fails part 1's (4 points), and each names the rank, the bucket
+and the bytes; a forgotten division, the wrong part, a missing all-gather, gradients that accumulate
+across steps and a full-model optimizer fail with a hint that says which; a deadlock fails after the
+timeout; the course's own ``dtcourse.zero.ZeRO`` is refused. Everything here calls the checks
+directly (each launch forks its ranks in well under a second); full marks for the solution and zero
+for the untouched exercise are checked with every exercise's, in ``test_grading.py``. Run just these
+with ``pytest -q tests/test_zero_exercise.py``, and everything about this exercise with
+``pytest -q tests -k "06_zero_stage2 or test_zero_exercise"``.
 
 The classes handed to the checks are defined in this file (or compiled from the notebook's cells
 under this file's name): to the checks, they are a student's code.
@@ -183,6 +184,43 @@ class _AllReducesParameters(ZeroStage2):
                 dist.all_reduce(bucket.flat)
 
 
+class _AddsToTheShardGrad(ZeroStage2):
+    """Adds each backward's reduced part to shard.grad, and step() never clears it: step k steps the sum."""
+
+    def grad_ready(self, i):
+        bucket = self.bucket_of[i]
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            part = torch.empty(bucket.size)
+            dist.reduce_scatter_single(part, _flat_gradient(self, bucket))
+            if bucket.shard.grad is None:
+                bucket.shard.grad = part / self.world_size
+            else:
+                bucket.shard.grad += part / self.world_size
+
+    def step(self):
+        self.optimizer.step()
+        with torch.no_grad():
+            for bucket in self.buckets:
+                dist.all_gather_single(bucket.flat, bucket.shard)
+
+
+class _ForgetsTheOptimizer(ZeroStage2):
+    """Builds a new optimizer for every step: right at step 1, then its momentum or moments start again."""
+
+    def __init__(self, module, optimizer, buckets):
+        super().__init__(module, optimizer, buckets)
+        self.make_optimizer = optimizer
+
+    def step(self):
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        with torch.no_grad():
+            for bucket in self.buckets:
+                dist.all_gather_single(bucket.flat, bucket.shard)
+        self.optimizer = self.make_optimizer([bucket.shard for bucket in self.buckets])
+
+
 class _WholeModelOptimizer(ZeroStage2):
     """Builds a second optimizer on the whole model, and steps it with all-gathered gradients."""
 
@@ -333,6 +371,40 @@ def test_a_missing_all_gather_is_named():
 def test_updating_only_this_ranks_part_is_named():
     with pytest.raises(AssertionError, match=r"Only this rank's part of bucket \d .* was updated: all-gather"):
         checks.check_zero_parity(_OwnPartOnly, world_sizes=(2,))
+
+
+ACCUMULATES = ("after step 2, parameter 'net.4.bias' (5,) differs from one process trained on the whole batch by "
+               "up to 0.0114 (tolerance 1e-05), at element 2. The parameters moved exactly as one process's do when "
+               "its gradients are never cleared: step 2 stepped with the sum of the gradients of steps 1 to 2, not "
+               "with step 2's alone. Your gradients accumulate across steps")
+
+
+@pytest.mark.parametrize("cls, where", [
+    # the parameters' .grad never dropped: the next backward adds to them
+    (_KeepsTheGrad, "After step(), the parameters 'net.0.weight', 'net.0.bias', 'net.2.weight', 'net.2.bias', ... "
+                    "(6 in all) still had a .grad, which the next backward added to: in grad_ready, set each "
+                    "parameter's .grad to None once it is copied into its bucket's flat gradient for the "
+                    "reduce-scatter"),
+    # shard.grad added to, and never cleared after the step
+    (_AddsToTheShardGrad, "After step(), bucket.shard.grad was still set for bucket(s) 0, 1, 2: clear the shards' "
+                          "gradients once self.optimizer.step() has used them (self.optimizer.zero_grad())"),
+])
+def test_gradients_that_accumulate_across_steps_are_named_as_such(cls, where):
+    checks.check_zero_gradients(cls, world_sizes=(2,))          # one backward is right
+    with pytest.raises(AssertionError) as info:
+        checks.check_zero_parity(cls, world_sizes=(2,))
+    message = str(info.value)
+    assert "with SGD (lr 0.1, momentum 0.9): " + ACCUMULATES in message, message
+    assert where in message, message
+    assert "look at step()" not in message, message
+
+
+def test_a_step_wrong_in_itself_is_still_sent_to_step():
+    with pytest.raises(AssertionError) as info:
+        checks.check_zero_parity(_ForgetsTheOptimizer, world_sizes=(2,))
+    message = str(info.value)
+    assert "with SGD (lr 0.1, momentum 0.9): after step 2, parameter" in message, message
+    assert "if check_zero_gradients passes, look at step())" in message and "accumulate" not in message, message
 
 
 def test_right_parameters_by_an_all_reduce_fail_the_traffic_check():

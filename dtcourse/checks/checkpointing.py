@@ -4,8 +4,9 @@
 ``check_checkpoint_gradients`` runs a student's ``CheckpointedSequential`` next to the plain
 ``nn.Sequential`` of the same layers and wants the same outputs and gradients, bit for bit;
 ``check_checkpoint_memory`` checks the technique itself: what the container holds after its
-forward, which layers backward runs again, the most it holds at once during backward, and that
-the recomputed tensors are gone when backward returns. Each runs the student's code in a child
+forward, which layers backward runs again, the most it holds at once during backward, that each
+recomputed tensor is let go once the backward ops that read it are done, and that the recomputed
+tensors are gone when backward returns. Each runs the student's code in a child
 process and raises one AssertionError that names the case, the segment count and what differs::
 
     check_checkpoint_gradients(CheckpointedSequential, cases=("mlp",))
@@ -21,13 +22,17 @@ While the student's code runs (``guard.watching``), ``dtcourse.checkpointing``'s
 from __future__ import annotations
 
 import gc
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from dtcourse.checks.common import _as_student, _check_names, _launch_check, _refuse_library_code, _student_error
 from dtcourse.checks.guard import Answers, watching
@@ -342,10 +347,17 @@ def _difference(want: torch.Tensor, got: object) -> str:
 # Twelve layers of width 64 on a batch of 16, float32: one activation (a "unit") is 4 KiB.
 _MEMORY_LAYERS, _MEMORY_WIDTH, _MEMORY_BATCH = 12, 64, 16
 # How far above the course's checkpoint a student's peak during backward may go, in units. A correct
-# container written differently peaks within one unit of it (measured: handing the recomputed
-# tensors out without forgetting them, +1; a torch.autograd.Function that recomputes and runs
-# backward itself, -1); holding a second segment's recomputed tensors adds 4 at segments=3.
+# container written differently peaks within two units of it (measured: a torch.autograd.Function
+# that recomputes and runs backward itself, -1 to +2 as it is written); holding a second segment's
+# recomputed tensors adds 4 at segments=3. The peak cannot see a checkpoint that hands its recomputed
+# tensors out without forgetting them (+1): what outlives its use catches that one (_LINGER_SLACK).
 MEMORY_SLACK = 2
+# How many recomputed activations more than the course's checkpoint may stay alive after the backward
+# ops that read them are done, in units. The course's holds none: each tensor goes with the node that
+# used it. A torch.autograd.Function that recomputes and runs backward itself keeps the recomputation's
+# output until that backward returns (1); a checkpoint that keeps what it hands out keeps its whole
+# segment until backward leaves it: 2 to 6 units at 6 to 2 segments.
+_LINGER_SLACK = 1
 
 
 @dataclass(frozen=True)
@@ -358,6 +370,101 @@ class _Held:
     freed_by_gc: int               # of after_backward, what the cycle collector then freed
     kept_with_graph: int           # tensors made in the step, alive after backward, with a grad_fn (not the output)
     recomputed: tuple[int, ...]    # per layer, the times backward ran it
+    lingering: int = 0             # the most recomputed bytes alive at once after the backward node that read them
+    lingering_layers: tuple[int, ...] = ()   # the layers whose recomputation made those bytes
+
+
+@dataclass(eq=False)
+class _Life:
+    """One storage an op allocated: the op that made it, the last op that read it, the op before which it was freed."""
+
+    made: int
+    nbytes: int
+    layer: int | None              # the layer whose recomputation (a forward during backward) made it, if any
+    last_read: int = -1
+    freed: int | None = None
+    ref: object = field(default=None, repr=False)    # the weakref whose callback notes the free
+
+
+def _node_key() -> tuple | None:
+    """The autograd node running now (None outside backward), as a key that no other node of the step shares."""
+    node = torch._C._current_autograd_node()
+    if node is None:
+        return None
+    name = node.name()
+    if name.endswith("AccumulateGrad"):        # all share one sequence number: their leaf tells them apart
+        return name, node.variable.untyped_storage().data_ptr()
+    return name, node._sequence_nr()
+
+
+class _Lifetimes(TorchDispatchMode):
+    """Within ``with _Lifetimes() as lives:``, every storage an op allocates and the ops that read it.
+
+    Ops are numbered from 0 (``lives.ops`` counts them); ``lives.nodes[j]`` is the autograd node
+    that ran op j (``_node_key``), and each ``_Life`` in ``lives.made`` says when its storage was
+    made, last read, and freed. ``lives.layer`` is the layer whose forward runs during backward (a
+    recomputation), set by hooks on the layers: storages made meanwhile are that layer's.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops, self.layer = 0, None
+        self.nodes: list[tuple | None] = []
+        self.made: list[_Life] = []
+        self._alive: dict[int, _Life] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        j = self.ops
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        for t in tensors:
+            life = self._alive.get(id(t.untyped_storage()))
+            if life is not None:
+                life.last_read = j
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tensors}
+        for t in tree_leaves(out):
+            if not isinstance(t, torch.Tensor):
+                continue
+            storage = t.untyped_storage()
+            # as HeldBytes: a view or an in-place op returns an input's storage, nothing new
+            if storage.data_ptr() in inputs or id(storage) in self._alive or storage.nbytes() == 0:
+                continue
+            life = _Life(j, storage.nbytes(), self.layer, last_read=j)
+            life.ref = weakref.ref(storage, partial(self._freed, id(storage)))
+            self._alive[id(storage)] = life
+            self.made.append(life)
+        self.nodes.append(_node_key())
+        self.ops += 1
+        return out
+
+    def _freed(self, key: int, _: object) -> None:
+        life = self._alive.pop(key, None)
+        if life is not None:
+            life.freed = self.ops
+
+
+def _lingering(lives: _Lifetimes, start: int, end: int) -> tuple[int, tuple[int, ...]]:
+    """The most bytes of recomputed tensors alive at once, during ops [start, end), after the node that last read them.
+
+    A recomputed tensor is one made while a layer ran again in backward. It lingers at op j if it is
+    still alive after op j, was last read before j, and op j belongs to another node than that last
+    read: the node that needed it is done, and nothing reads it again. Tensors still alive when
+    backward returns are left out: what stays after backward is measured on its own.
+    Returns the bytes and the layers that made them, at the op where they are most.
+    """
+    by_op: dict[int, list[_Life]] = {}
+    for life in lives.made:
+        if life.layer is None or life.made < start or life.freed is None or life.freed > end:
+            continue
+        read_by = lives.nodes[life.last_read]
+        for j in range(life.last_read + 1, life.freed):
+            if lives.nodes[j] != read_by:
+                by_op.setdefault(j, []).append(life)
+    most, worst = 0, []
+    for j in sorted(by_op):                    # the first op where they are most
+        if sum(life.nbytes for life in by_op[j]) > most:
+            most, worst = sum(life.nbytes for life in by_op[j]), by_op[j]
+    return most, tuple(sorted({life.layer for life in worst}))
 
 
 def check_checkpoint_memory(cls: Callable, segments: int | Sequence[int] = 3, timeout: float | None = None) -> None:
@@ -372,6 +479,9 @@ def check_checkpoint_memory(cls: Callable, segments: int | Sequence[int] = 3, ti
     * during backward, at most ``MEMORY_SLACK`` activations more at once than the course's own
       checkpoint (``dtcourse.checkpointing``) holds on the same stack: one segment's recomputed
       tensors at a time;
+    * each recomputed tensor let go as backward goes: once the backward node (op of autograd's
+      graph) that last reads it is done, it is freed, as with the course's checkpoint; at most
+      one activation may outlive its use (``_Lifetimes``, ``_lingering``);
     * when backward returns, no more than the course's checkpoint still holds: every
       recomputed tensor let go.
 
@@ -425,6 +535,14 @@ def _measure(build: Callable[[list[nn.Module], int], nn.Module], k: int, progres
     for i, layer in enumerate(layers):
         layer.register_forward_pre_hook(lambda *_, i=i: runs.__setitem__(i, runs[i] + 1))
     replays = _Replays(layers)
+    lives = _Lifetimes()
+
+    def recomputing(i: int | None) -> None:      # which layer runs again in backward, for what it allocates
+        lives.layer = i if replays.phase == "backward" else None
+
+    for i, layer in enumerate(layers):
+        layer.register_forward_pre_hook(lambda *_, i=i: recomputing(i))
+        layer.register_forward_hook(lambda *_: recomputing(None))
 
     def call(fn: Callable, hint: Callable[[], str] = lambda: "") -> object:
         return _as_student_hinted(progress, fn, hint) if student else fn()
@@ -436,14 +554,15 @@ def _measure(build: Callable[[list[nn.Module], int], nn.Module], k: int, progres
     gc.collect(0)
     gc.disable()
     try:
-        with HeldBytes() as held:
+        with HeldBytes() as held, lives:
             replays.phase = "forward"
             y = call(lambda: model(x))
-            after, forward_ops, before = held.now, held.mark(), list(runs)
+            after, forward_ops, before, backward_from = held.now, held.mark(), list(runs), lives.ops
             replays.phase = "backward"
             call(lambda: y.sum().backward(), replays.hint)
             replays.phase = None
             end = held.now
+            lingering, lingering_layers = _lingering(lives, backward_from, lives.ops)    # before any collection
             peak = max(held.trace[forward_ops:], default=end)
             # type(), not isinstance: some objects' __class__ is a property that warns when read
             young = gc.get_objects(generation=0)
@@ -454,7 +573,8 @@ def _measure(build: Callable[[list[nn.Module], int], nn.Module], k: int, progres
             freed = end - held.now
     finally:
         gc.enable()
-    return _Held(after, peak, end, freed, kept, tuple(r - b for r, b in zip(runs, before)))
+    return _Held(after, peak, end, freed, kept, tuple(r - b for r, b in zip(runs, before)), lingering,
+                 lingering_layers)
 
 
 def _memory_problem(got: _Held, want: _Held, k: int) -> str | None:
@@ -494,6 +614,8 @@ def _memory_problem(got: _Held, want: _Held, k: int) -> str | None:
             f"recomputed activations and the gradients in flight), and {MEMORY_SLACK} activations more is the "
             "most allowed. Hold one segment's recomputed tensors at a time, without copies (backward needs only "
             "their values: t.detach() shares the storage), and let each go once backward has used it")
+    if got.lingering > want.lingering + _LINGER_SLACK * unit + unit // 2:
+        problems.append(_lingering_problem(got, want, k, units))
     if got.after_backward > want.after_backward + unit // 2:
         left = got.after_backward - want.after_backward
         message = (f"when backward() returned, {units(got.after_backward)} were still alive, where the course's "
@@ -510,3 +632,20 @@ def _memory_problem(got: _Held, want: _Held, k: int) -> str | None:
                         "cycle held them: memory that stays taken until the collector happens to run")
         problems.append(message)
     return ";\n    and ".join(problems) or None
+
+
+def _lingering_problem(got: _Held, want: _Held, k: int, units: Callable[[int], str]) -> str:
+    from dtcourse.checkpointing import segment_bounds
+    bounds = segment_bounds(_MEMORY_LAYERS, k)
+    segments = sorted({next(s for s, (lo, hi) in enumerate(bounds) if lo <= layer < hi)
+                       for layer in got.lingering_layers})
+    where = " and ".join(f"segment {s + 1} of {k} (layers {bounds[s][0]} to {bounds[s][1] - 1})" for s in segments)
+    layers = ", ".join(map(str, got.lingering_layers))
+    course = f"holds {units(want.lingering)} that way" if want.lingering else "holds none that way"
+    return (f"during backward, {units(got.lingering)}, recomputed by layer(s) {layers} for {where}, were still "
+            f"alive after the backward ops that read them were done, while backward went on; the course's "
+            f"checkpoint {course}: it lets each recomputed tensor go as soon as the op that needs it is done. "
+            "Your unpack hands the recomputed tensors out but keeps a reference to them (in a list or dict on "
+            "the checkpoint or the container, a cache, a slot never cleared), so they are freed only when "
+            "backward is past the whole segment, not as it goes: hand each one out once and forget it (pop it "
+            "from the dict, or set its slot to None), and keep it nowhere else")

@@ -193,8 +193,8 @@ def _launch_check(label: str, world_size: int, rank_fn: Callable, args: tuple, t
         if world_size == 1:
             lines = [message for _, (_, message) in failures]
         more = f"\n  ... and {len(failures) - 4} more ranks" if len(failures) > 4 else ""
-        raise AssertionError(f"{label} is wrong{where} in {failures[0][1][0]}:\n  "
-                             + "\n  ".join(lines) + more)
+        raise AssertionError(hints_once(f"{label} is wrong{where} in {failures[0][1][0]}:\n  "
+                                        + "\n  ".join(lines) + more))     # a hint every rank repeats: once
 
 
 @dataclass(frozen=True)

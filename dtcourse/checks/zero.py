@@ -583,8 +583,10 @@ def check_zero_parity(cls: Callable, world_sizes: Sequence[int] = (2,), cases: S
     steps on its B/N rows of a batch of 60, beside one process training the same model on the
     whole batch with the same optimizer. After every step, the module's parameters must match
     within ``ZERO_TOL`` on every rank. A failure names the world size, case, optimizer, step,
-    rank, parameter and element, with a hint when the parameters did not move, or moved only in
-    this rank's part (no all-gather).
+    rank, parameter and element, with a hint when the parameters did not move, moved only in
+    this rank's part (no all-gather), or moved as one process's do when its gradients are never
+    cleared (step k stepped with the sum of steps 1 to k's gradients), in which case the hint says
+    which gradients were left between steps: the parameters' ``.grad`` or the shards'.
     """
     unknown = [o for o in optimizers if o not in OPTIMIZERS]
     if unknown or not optimizers or steps < 1:
@@ -609,6 +611,7 @@ def _parity_case(cls: Callable, name: str, progress: str, optimizers: tuple[str,
 
 def _parity_run(run: _Run, optimizer: str, steps: int) -> str | None:
     reference_optimizer = OPTIMIZERS[optimizer][1](run.reference.parameters())
+    start = copy.deepcopy(run.reference)          # where both begin, for _never_cleared
     with watching(ANSWERS), run.recording():
         wrapper = run.build()
         for step in range(1, steps + 1):
@@ -619,13 +622,15 @@ def _parity_run(run: _Run, optimizer: str, steps: int) -> str | None:
             _loss(run.case, run.reference(x), y).backward()
             reference_optimizer.step()
             reference_optimizer.zero_grad(set_to_none=True)
-            problem = _parameters_problem(run, before, step)
+            problem = _parameters_problem(run, before, step,
+                                          lambda: _never_cleared(run, start, optimizer, step), wrapper)
             if problem:
                 return problem
     return None
 
 
-def _parameters_problem(run: _Run, before: dict[str, torch.Tensor], step: int) -> str | None:
+def _parameters_problem(run: _Run, before: dict[str, torch.Tensor], step: int,
+                        never_cleared: Callable[[], dict[str, torch.Tensor]], wrapper: object) -> str | None:
     got = dict(run.model.named_parameters())
     want = dict(run.reference.named_parameters())
     for layout in run.layouts:
@@ -637,8 +642,57 @@ def _parameters_problem(run: _Run, before: dict[str, torch.Tensor], step: int) -
             message = (f"after step {step}, parameter {name!r} {tuple(got[name].shape)} differs from one process "
                        f"trained on the whole batch by up to {error.max().item():.3g} (tolerance {ZERO_TOL:g}), at "
                        f"element {worst}")
+            # Step 1 has no earlier gradient to add; from step 2 on, accumulating moves the parameters its own way.
+            if step > 1 and _same(got, never_cleared()):
+                return message + _accumulation_hint(run, wrapper, step)
             return message + _parameters_hint(run, layout, got, want, before)
     return None
+
+
+def _never_cleared(run: _Run, start: nn.Module, optimizer: str, steps: int) -> dict[str, torch.Tensor]:
+    """The parameters of one process after ``steps`` steps on the whole batch whose gradients are never cleared.
+
+    Autograd adds each backward's gradient to the ``.grad`` already there, so step k steps with the
+    sum of the gradients of steps 1 to k (each at the parameters of its own step): what a ZeRO step
+    does when the parameters' ``.grad``, or the shards', outlive the step.
+    """
+    model = copy.deepcopy(start)
+    stepper = OPTIMIZERS[optimizer][1](model.parameters())
+    for step in range(1, steps + 1):
+        x, y = _batch(run.case, seed=step)
+        _loss(run.case, model(x), y).backward()
+        stepper.step()
+    return dict(model.named_parameters())
+
+
+def _same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> bool:
+    """Every parameter of ``want`` within ``ZERO_TOL`` of ``got``'s."""
+    return all(torch.allclose(got[name].detach(), p.detach(), rtol=0, atol=ZERO_TOL) for name, p in want.items())
+
+
+def _accumulation_hint(run: _Run, wrapper: object, step: int) -> str:
+    """Where the gradients of one step were left for the next, as seen after the student's ``step()``."""
+    left = [name for name, p in run.model.named_parameters() if p.requires_grad and p.grad is not None]
+    buckets, _ = _buckets_of(wrapper, run.layouts)
+    shards = [str(k) for k, bucket in enumerate(buckets) if bucket.shard.grad is not None]
+    message = (f". The parameters moved exactly as one process's do when its gradients are never cleared: step "
+               f"{step} stepped with the sum of the gradients of steps 1 to {step}, not with step {step}'s alone. "
+               "Your gradients accumulate across steps, since backward adds each new gradient to the .grad already "
+               "there (and so does += on shard.grad)")
+    # Both left, and the parameters would have moved as the sum of sums: the .grad alone explain a single sum.
+    if left:
+        listed = ", ".join(map(repr, left[:4])) + (f", ... ({len(left)} in all)" if len(left) > 4 else "")
+        return (f"{message}. After step(), the parameters {listed} still had a .grad, which the next backward "
+                "added to: in grad_ready, set each parameter's .grad to None once it is copied into its bucket's "
+                "flat gradient for the reduce-scatter")
+    if shards:
+        return (f"{message}. After step(), bucket.shard.grad was still set for bucket(s) {', '.join(shards)}: clear "
+                "the shards' gradients once self.optimizer.step() has used them (self.optimizer.zero_grad()), so "
+                "that the next backward starts from nothing, and make shard.grad the reduce-scatter's output "
+                "divided by N rather than adding that to the old one")
+    return (f"{message}. Clear them between steps: each parameter's .grad in grad_ready, once it is copied into its "
+            "bucket's flat gradient for the reduce-scatter, and the shards' gradients after self.optimizer.step() "
+            "(self.optimizer.zero_grad()); keep no running sum of your own")
 
 
 def _parameters_hint(run: _Run, layout: _Layout, got: dict, want: dict, before: dict) -> str:
