@@ -267,6 +267,24 @@ def test_an_answer_executed_from_its_source_is_refused_and_one_typed_alike_is_no
     checks.check_1f1b_order(typed["one_f_one_b"])
 
 
+def test_checks_rewritten_before_they_run_leave_no_receipt_and_score_nothing(tmp_path):
+    """An IPython input transformer that turns every later cell's check calls into ``pass``: each graded cell
+    then finishes without an error, but its check never ran, so it left no receipt."""
+    empty = {"send_right_recv_left": "def send_right_recv_left(send, recv):\n    pass",
+             "ring_reduce_scatter": "def ring_reduce_scatter(output, input_tensor):\n    pass",
+             "ring_all_gather": "def ring_all_gather(output, input_tensor):\n    pass",
+             "ring_all_reduce": "def ring_all_reduce(tensor):\n    pass"}
+    path = student_copy(NAME, tmp_path, empty)
+    _with_cell_after_setup(path, "def quiet(lines):\n"
+                                 "    return [('pass\\n' if 'check_' in line else line) for line in lines]\n"
+                                 "get_ipython().input_transformers_post.append(quiet)")
+    report = grade_notebook(path, source=source_path(NAME), check_timeout=30)
+    assert report.score == 0, str(report)
+    for check in report.checks:
+        assert "left no receipt: the cell finished, but the check did not run as written" in check.message, str(report)
+    assert any("did not run, though the cell finished" in line for line in report.flagged), report.flagged
+
+
 def test_the_checks_cannot_be_rebound_on_the_package():
     genuine = checks.check_all_reduce
     with pytest.raises(AttributeError, match="is a check and cannot be replaced"):

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 import sys
 from types import CodeType, FunctionType, MappingProxyType, ModuleType
 from typing import Callable
@@ -153,12 +154,25 @@ def _isolated(topic: str, name: str) -> Callable:
                     "again, unchanged. Fix the deadlock and run the cells again; until then each check of that "
                     "code fails at once instead of waiting out its timeout.")
         try:
-            return getattr(fresh(topic), name)(*args, **kwargs)
+            result = getattr(fresh(topic), name)(*args, **kwargs)
         except AssertionError as error:
             if getattr(error, "deadlock", False) and codes:
                 _DEADLOCKED.append((codes, f"{', '.join(map(_name, students))} (in {name})"))
             raise
+        _receipt(name)
+        return result
     return check
+
+
+def _receipt(name: str) -> None:
+    """Leave a receipt: the grader gives a cell its points only if every check it calls left one while it ran,
+    so a check that a cell's code was rewritten not to call (IPython's input transformers, say) earns nothing."""
+    from dtcourse.grading import RECEIPTS
+
+    path = os.environ.get(RECEIPTS)
+    if path:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(name + "\n")
 
 
 check_model_states = _isolated("memory", "check_model_states")

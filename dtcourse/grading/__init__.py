@@ -12,3 +12,7 @@
 
 The checks themselves are in ``dtcourse.checks``.
 """
+
+# The file each check that passed writes its name to, named by the grader in the kernel's environment
+# (dtcourse.checks leaves the receipts, grade.py reads them): a graded cell whose checks left none earns nothing.
+RECEIPTS = "DTCOURSE_RECEIPTS"

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
-__all__ = ["Finding", "audit_source", "audit_cells", "audit_notebook", "first_line", "main"]
+__all__ = ["Finding", "audit_source", "audit_cells", "audit_notebook", "first_line", "begins", "main"]
 
 # Modules whose attributes a submission may not assign, delete or setattr. All of torch: the checks compare with
 # torch.equal, Tensor methods and torch's own answers, so a patched torch.Tensor.__sub__ or torch.allclose could make
@@ -54,7 +54,7 @@ class Finding:
     begins: str = ""   # the cell's first line: what the student and the instructor both see of it
 
     def __str__(self) -> str:
-        where = f"cell {self.cell}{_begins(self.begins)}, " if self.cell is not None else ""
+        where = f"cell {self.cell}{begins(self.begins)}, " if self.cell is not None else ""
         return f"{where}line {self.line}: {self.what}"
 
 
@@ -64,7 +64,7 @@ def first_line(code: str) -> str:
     return line if len(line) <= 60 else line[:57] + "..."
 
 
-def _begins(line: str) -> str:
+def begins(line: str) -> str:
     return f" (the cell that begins {line!r})" if line else ""
 
 

@@ -46,12 +46,13 @@ import ast
 import copy
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import nbformat
 from nbclient import NotebookClient
 
-from dtcourse.grading import audit, exercises
+from dtcourse.grading import RECEIPTS, audit, exercises
 from dtcourse.grading.report import Check, Report
 
 DEFAULT_CELL_TIMEOUT = 300.0  # seconds; each check bounds itself far below this
@@ -98,17 +99,31 @@ def grade_notebook(path: str | os.PathLike, source: str | os.PathLike | None = N
 
     executed: set[int] = set()
     started: set[int] = set()          # cells the kernel began; none: it died while starting (KERNEL_STARTS)
+    receipts_dir = tempfile.TemporaryDirectory(prefix="dtcourse-receipts-")
+    receipts = Path(receipts_dir.name, "receipts")
+    receipts.touch()
+    begun: dict[int, int] = {}         # cell -> the receipts file's size when it started
+    left: dict[int, list[str]] = {}    # cell -> the checks that passed while it ran
+
+    def on_cell_start(cell_index: int, **_) -> None:
+        started.add(cell_index)
+        begun[cell_index] = receipts.stat().st_size
 
     def on_cell_executed(cell: nbformat.NotebookNode, cell_index: int, execute_reply: dict, **_) -> None:
         # As nbgrader's Execute: an error only the reply knows of (a timeout) becomes an output.
         executed.add(cell_index)
+        with open(receipts, encoding="utf-8") as f:
+            f.seek(begun.get(cell_index, 0))
+            left[cell_index] = f.read().split()
         reply = (execute_reply or {}).get("content", {})
         if reply.get("status") == "error" and not any(
                 o.output_type == "error" and o.ename == reply.get("ename") for o in cell.outputs):
             cell.outputs.insert(0, nbformat.v4.new_output("error", ename=reply.get("ename", "Error"),
                                                           evalue=reply.get("evalue", ""), traceback=[]))
 
-    env = dict(os.environ, DTCOURSE_CHECK_TIMEOUT=str(check_timeout)) if check_timeout else None
+    env = dict(os.environ, **{RECEIPTS: str(receipts)})
+    if check_timeout:
+        env["DTCOURSE_CHECK_TIMEOUT"] = str(check_timeout)
     stopped = ""
     for start in range(1, KERNEL_STARTS + 1):
         client = NotebookClient(
@@ -116,12 +131,12 @@ def grade_notebook(path: str | os.PathLike, source: str | os.PathLike | None = N
             interrupt_on_timeout=True, resources={"metadata": {"path": str(path.parent.resolve())}},
             error_on_timeout={"ename": "CellTimeoutError", "traceback": [],
                               "evalue": f"the cell ran longer than {cell_timeout:g} s and was interrupted"},
-            on_cell_executed=on_cell_executed, on_cell_start=lambda cell_index, **_: started.add(cell_index),
+            on_cell_executed=on_cell_executed, on_cell_start=on_cell_start,
             # The kernel's own warnings (ipykernel's "running over TCP without encryption" on every
             # start) would be the first line a student reads; errors still show.
             extra_arguments=["--IPKernelApp.log_level=ERROR"])
         try:
-            client.execute(**({"env": env} if env else {}))
+            client.execute(env=env)
         except Exception as err:  # the kernel died, or never started
             stopped = f"{type(err).__name__}: {_first_line(str(err))}"
             if not started and start < KERNEL_STARTS:
@@ -131,7 +146,8 @@ def grade_notebook(path: str | os.PathLike, source: str | os.PathLike | None = N
                 report.error = f"the kernel {kernel_name!r} did not run the notebook{tries} ({stopped})"
                 return report
         break
-    _score(nb, executed, stopped, report, self_check)
+    _score(nb, executed, stopped, report, self_check, left)
+    receipts_dir.cleanup()
     return report
 
 
@@ -186,8 +202,18 @@ def _is_placeholder(code: str) -> bool:
         return False
 
 
+def _checks_called(code: str) -> set[str]:
+    """The course's checks a cell's code calls by name."""
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:
+        return set()
+    called = {ast.unparse(node.func).rpartition(".")[2] for node in ast.walk(tree) if isinstance(node, ast.Call)}
+    return called & audit.check_names()
+
+
 def _score(nb: nbformat.NotebookNode, executed: set[int], stopped: str, report: Report,
-           self_check: bool = False) -> None:
+           self_check: bool = False, left: dict[int, list[str]] | None = None) -> None:
     failed_before = False
     for index, cell in enumerate(nb.cells):
         meta = cell.metadata.get("nbgrader", {})
@@ -210,6 +236,13 @@ def _score(nb: nbformat.NotebookNode, executed: set[int], stopped: str, report: 
             check.points, check.message = _determine_grade(cell, check.max_points)
             if check.points < check.max_points and failed_before and "NameError" in check.message:
                 check.message += "\n(probably because a cell above failed: see Notes)"
+            missing = sorted(_checks_called(cell.source) - set((left or {}).get(index, ())))
+            if check.points and missing and left is not None:
+                check.points = 0.0
+                check.message = (f"{', '.join(missing)} left no receipt: the cell finished, but the check did not run "
+                                 "as written (something in the notebook changed or skipped it)")
+                report.flagged.append(f"cell {index}{audit.begins(audit.first_line(cell.source))}: "
+                                      f"{', '.join(missing)} did not run, though the cell finished")
 
 
 def _determine_grade(cell: nbformat.NotebookNode, max_points: float) -> tuple[float, str]:
