@@ -16,6 +16,7 @@ Each graded notebook starts a kernel (a few seconds).
 from __future__ import annotations
 
 import json
+import types
 import re
 import subprocess
 import sys
@@ -257,10 +258,18 @@ def test_an_answer_executed_from_its_source_is_refused_and_one_typed_alike_is_no
     exec(inspect.getsource(schedules.one_f_one_b), namespace)                 # noqa: S102 - the cheat under test
     copied = namespace["one_f_one_b"]
     assert copied is not schedules.one_f_one_b and copied(3, 4) == schedules.one_f_one_b(3, 4)
-    with pytest.raises(ReferenceRefused, match=r"check_1f1b_order was given one_f_one_b, whose one_f_one_b was "
-                                                r"executed from a string holding the code of "
+    with pytest.raises(ReferenceRefused, match=r"check_1f1b_order was given one_f_one_b, which reaches one_f_one_b: "
+                                                r"it was executed from a string holding the code of "
                                                 r"dtcourse\.pipeline\.schedules\.one_f_one_b"):
         checks.check_1f1b_order(copied)
+    # a copy of the function object, from its __code__, called by the student's own function
+    clone = types.FunctionType(schedules.one_f_one_b.__code__, vars(schedules), "clone")
+
+    def mine(p, m):
+        return clone(p, m)
+    with pytest.raises(ReferenceRefused, match=r"which reaches clone: it is a copy, made from its __code__, of the "
+                                                r"code of dtcourse\.pipeline\.schedules\.one_f_one_b"):
+        checks.check_1f1b_order(mine)
     # the same code compiled under a file's name, as a cell's is: not compared (a short right answer may coincide)
     typed = dict(vars(schedules))
     exec(compile(inspect.getsource(schedules.one_f_one_b), "/tmp/ipykernel_0/cell.py", "exec"), typed)  # noqa: S102
