@@ -19,8 +19,8 @@ from dtcourse import RankError, launch
 from dtcourse.mixed_precision import DynamicLossScaler, Recipe
 from dtcourse.models import GPT, MLP, GPTConfig, lm_loss, regression_batch, token_batch
 from dtcourse.parity import FullyShard, Replicated, Tolerance, check_parity
-from dtcourse.lab.zero import collectives_of
-from dtcourse.runtime.observe import label, observe
+from dtcourse.lab.zero import collectives_of, observed_step
+from dtcourse.runtime.observe import observe
 from dtcourse.zero import ZeRO, default_units, paper_bytes
 
 SIZES = (6, 10, 12, 7)    # units net.0, net.2, net.4: 70, 132 and 91 elements; at N = 2..5 some need padding
@@ -141,14 +141,7 @@ def test_stage1_and_stage3_match_pytorch():
 # --------------------------------------------------------------------------- #
 # What each stage communicates
 # --------------------------------------------------------------------------- #
-def _one_step(model, x, y):
-    """One step, observed; the step's collectives under the label "step" (ZeRO labels each by its unit)."""
-    model.zero_grad()
-    with observe() as log:
-        F.mse_loss(model(x), y).backward()
-        with label("step"):
-            model.step()
-    return log
+_one_step = observed_step          # one step, observed; the step's collectives under the label "step"
 
 
 def _traffic():

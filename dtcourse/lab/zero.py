@@ -53,7 +53,7 @@ if TYPE_CHECKING:
     import ipywidgets
 
 __all__ = ["OPTIMIZERS", "MEMORY_MLP", "PROBLEM_MLP", "TIMELINE_MLP", "KINDS", "Predicted", "predicted_memory",
-           "activation_bytes", "RankMemory", "measure_memory", "Collective", "collectives_of", "measure_traffic",
+           "activation_bytes", "RankMemory", "measure_memory", "Collective", "collectives_of", "observed_step", "measure_traffic",
            "traffic_formula",
            "collectives_by_unit", "record_stage3", "prefetch_overlaps", "requested_ahead", "fsdp2_parity", "MemoryView",
            "memory_widget", "zero_timeline_widget", "problem_stage2_bytes", "problem_stage3_traffic",
@@ -228,7 +228,8 @@ def collectives_of(log: CommLog) -> list[Collective]:
     return out
 
 
-def _observed_step(model: ZeRO, x: torch.Tensor, y: torch.Tensor) -> CommLog:
+def observed_step(model: ZeRO, x: torch.Tensor, y: torch.Tensor) -> CommLog:
+    """One step, observed: ZeRO labels each collective by its unit, and the step's run under ``label("step")``."""
     model.zero_grad()
     with observe() as log:
         F.mse_loss(model(x), y).backward()
@@ -245,7 +246,7 @@ def _traffic_rank(sizes: tuple[int, ...], mixed: bool, stages: Sequence[int]) ->
         for comm in ("backend", "ring"):
             model = ZeRO(MLP(sizes, seed=0), stage, OPTIMIZERS["adam"][2], comm=comm, precision=_recipe(mixed))
             _step(model, x, y)                 # the first step builds the optimizer's states
-            runs[comm] = _observed_step(model, x, y)      # the second step is the one counted
+            runs[comm] = observed_step(model, x, y)      # the second step is the one counted
         sends = runs["ring"].select(op="send")
         by_unit: dict[str, int] = {}
         for r in sends:
