@@ -189,7 +189,7 @@ def test_the_package_top_level_holds_only_stems_shared_pieces_and_subpackages():
 
 def test_lab_checks_and_bench_modules_are_named_by_stems():
     assert {p.stem for p in (PACKAGE / "lab").glob("*.py")} - {"__init__", "widgets", "timeline", "problems"} <= set(STEMS)
-    assert {p.stem for p in (PACKAGE / "checks").glob("*.py")} - {"__init__", "common", "guard"} <= set(STEMS)
+    assert {p.stem for p in (PACKAGE / "checks").glob("*.py")} - {"__init__", "common", "guard", "messages"} <= set(STEMS)
     assert {p.stem for p in (PACKAGE / "bench").glob("*.py")} - {"__init__"} <= set(STEMS) | BENCH_EXTRAS
 
 

@@ -27,7 +27,7 @@ import pytest
 
 from dtcourse import checks
 from dtcourse.checks import tensor_parallel as tp_checks
-from dtcourse.checks.common import hints_once
+from dtcourse.checks.messages import hints_once
 from dtcourse.checks.guard import course_answer
 from dtcourse.tensor_parallel import communications, layers
 from exercise_harness import EXPECTED, assert_released, compile_answers

@@ -16,7 +16,6 @@ from __future__ import annotations
 import functools
 import inspect
 import os
-import re
 import sys
 import tempfile
 import traceback
@@ -31,8 +30,9 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroup
 
-from dtcourse.checks.guard import COLLECTIVE_METHODS, copied_answer, course_answer
-from dtcourse.runtime.refuse import ReferenceRefused, is_library_file, is_student_class
+from dtcourse.checks.guard import COLLECTIVE_METHODS, _refuse_copies, course_answer
+from dtcourse.checks.messages import Hint, hints_once
+from dtcourse.runtime.refuse import ReferenceRefused, is_library_file
 from dtcourse.runtime.launch import LaunchError, LaunchTimeout, RankError, launch
 from dtcourse.runtime.processes import frames
 
@@ -91,53 +91,6 @@ def _refuse_library_code(check: str, obj: Callable, exercise: str, advice: str,
     if inspect.isbuiltin(inner) or (isinstance(inner, FunctionType) and is_library_file(inner.__code__.co_filename)):
         raise AssertionError(f"{check} was given {what}, which is library code, not yours. {advice}")
     _refuse_copies(check, obj, exercise, advice)
-
-
-def _filled(cell) -> bool:
-    try:
-        cell.cell_contents
-        return True
-    except ValueError:              # a variable not yet assigned
-        return False
-
-
-def _reached(obj: Callable, depth: int = 3) -> list[FunctionType]:
-    """``obj`` (a class: its students' methods) and the functions its code reaches, by global name or through its
-    closure, ``depth`` deep."""
-    if isinstance(obj, type):
-        start = [getattr(m, "__func__", getattr(m, "fget", m)) for k in obj.__mro__ if is_student_class(k)
-                 for m in vars(k).values()]
-    else:
-        start = [obj]
-    found: list[FunctionType] = []
-    todo = [(inspect.unwrap(f) if callable(f) else f, depth) for f in start]
-    while todo:
-        f, left = todo.pop()
-        if not isinstance(f, FunctionType) or any(f is g for g in found):
-            continue
-        found.append(f)
-        if left and not is_library_file(f.__code__.co_filename):
-            todo += [(f.__globals__.get(name), left - 1) for name in f.__code__.co_names]
-            todo += [(cell.cell_contents, left - 1) for cell in f.__closure__ or () if _filled(cell)]
-    return found
-
-
-def _refuse_copies(check: str, obj: Callable, exercise: str, advice: str) -> None:
-    """A course answer's code in a function that is not the answer: executed from a string (``exec`` of its
-    source), or a copy of the function object made from its ``__code__``, handed to the check or reached from
-    the student's code. Code typed in a cell is not compared: a short right answer may coincide with the
-    course's, and a copy typed into a cell is the instructor's to judge."""
-    for member in _reached(obj):
-        filename = member.__code__.co_filename
-        if course_answer(member) or not (filename.startswith("<") or is_library_file(filename)):
-            continue
-        source = copied_answer(member.__code__)
-        if source:
-            how = ("was executed from a string holding" if filename.startswith("<") else "is a copy, made from its "
-                   "__code__, of")
-            raise ReferenceRefused(f"{check} was given {getattr(obj, '__qualname__', obj)}, which reaches "
-                                   f"{member.__name__}: it {how} the code of {source}, the course's own answer to "
-                                   f"exercise {exercise}; the exercise asks you to write it yourself. {advice}")
 
 
 def _check_names(check: str, fn: Callable, names: Sequence[str], known: dict) -> None:
@@ -221,59 +174,6 @@ def _launch_check(label: str, world_size: int, rank_fn: Callable, args: tuple, t
         more = f"\n  ... and {len(failures) - 4} more ranks" if len(failures) > 4 else ""
         raise AssertionError(hints_once(f"{label} is wrong{where} in {failures[0][1][0]}:\n  "
                                         + "\n  ".join(lines) + more))     # a hint every rank repeats: once
-
-
-@dataclass(frozen=True)
-class Hint:
-    """A guess at the mistake, as a rank words it: what it found, then what to change (``hints_once``)."""
-
-    what: str
-    change: str
-    sep: str = ": "
-
-    def __str__(self) -> str:
-        return f"{self.what}{self.sep}{self.change}"
-
-
-_RANK_LINE = re.compile(r"  rank (\d+): ")
-
-
-def hints_once(message: str, inline: Sequence[Hint] = (), pointers: Sequence[str] = ()) -> str:
-    """``message`` with each distinct hint once: a later rank that repeats one points to the rank that shows it.
-
-    ``_launch_check`` lists every failing rank's message, and the ranks of a group mostly make the same mistake,
-    so each would repeat the same hint. A ``hint:`` line seen on an earlier rank becomes "hint: the same as
-    rank N's, above"; an ``inline`` hint seen before keeps what this rank found and drops what to change; a line
-    of ``pointers`` seen before goes.
-    """
-    seen: dict[str, str | None] = {}
-    rank, lines = None, []
-
-    def where(key: str) -> str:
-        return f"the same as rank {seen[key]}'s, above" if seen[key] is not None else "the same as above"
-
-    for line in message.split("\n"):
-        head = _RANK_LINE.match(line)
-        rank = head.group(1) if head else rank
-        if line.startswith("    hint: "):
-            key = line.strip()
-            if key in seen:
-                line = f"    hint: {where(key)}"
-            else:
-                seen[key] = rank
-        elif line.startswith("    ") and line.strip() in pointers:
-            if line.strip() in seen:
-                continue
-            seen[line.strip()] = rank
-        for hint in inline:
-            key = str(hint)
-            if key in line:
-                if key in seen:
-                    line = line.replace(key, f"{hint.what} ({where(key)})")
-                else:
-                    seen[key] = rank
-        lines.append(line)
-    return "\n".join(lines)
 
 
 def _launch_hints_once(*args, inline: Sequence[Hint] = (), pointers: Sequence[str] = (), **kwargs) -> None:

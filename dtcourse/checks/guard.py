@@ -41,7 +41,8 @@ import torch
 from torch._C._distributed_c10d import ProcessGroup
 
 from dtcourse.runtime.observe import COLLECTIVE_METHODS, patched
-from dtcourse.runtime.refuse import original_code, refuse_if_student, refusing, switched_off
+from dtcourse.runtime.refuse import (ReferenceRefused, is_library_file, is_student_class, original_code,
+                                     refuse_if_student, refusing, switched_off)
 
 __all__ = ["copied_answer", "Answers", "Watch", "watching", "course_answer", "COLLECTIVE_METHODS"]
 
@@ -132,6 +133,53 @@ def _answer_fingerprints() -> dict[tuple, str]:
 def copied_answer(code: CodeType) -> str | None:
     """The dotted name of the course answer whose code ``code`` repeats (its source copied, or executed), or None."""
     return _answer_fingerprints().get(_fingerprint(code))
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents
+        return True
+    except ValueError:              # a variable not yet assigned
+        return False
+
+
+def _reached(obj: Callable, depth: int = 3) -> list[FunctionType]:
+    """``obj`` (a class: its students' methods) and the functions its code reaches, by global name or through its
+    closure, ``depth`` deep."""
+    if isinstance(obj, type):
+        start = [getattr(m, "__func__", getattr(m, "fget", m)) for k in obj.__mro__ if is_student_class(k)
+                 for m in vars(k).values()]
+    else:
+        start = [obj]
+    found: list[FunctionType] = []
+    todo = [(inspect.unwrap(f) if callable(f) else f, depth) for f in start]
+    while todo:
+        f, left = todo.pop()
+        if not isinstance(f, FunctionType) or any(f is g for g in found):
+            continue
+        found.append(f)
+        if left and not is_library_file(f.__code__.co_filename):
+            todo += [(f.__globals__.get(name), left - 1) for name in f.__code__.co_names]
+            todo += [(cell.cell_contents, left - 1) for cell in f.__closure__ or () if _filled(cell)]
+    return found
+
+
+def _refuse_copies(check: str, obj: Callable, exercise: str, advice: str) -> None:
+    """A course answer's code in a function that is not the answer: executed from a string (``exec`` of its
+    source), or a copy of the function object made from its ``__code__``, handed to the check or reached from
+    the student's code. Code typed in a cell is not compared: a short right answer may coincide with the
+    course's, and a copy typed into a cell is the instructor's to judge."""
+    for member in _reached(obj):
+        filename = member.__code__.co_filename
+        if course_answer(member) or not (filename.startswith("<") or is_library_file(filename)):
+            continue
+        source = copied_answer(member.__code__)
+        if source:
+            how = ("was executed from a string holding" if filename.startswith("<") else "is a copy, made from its "
+                   "__code__, of")
+            raise ReferenceRefused(f"{check} was given {getattr(obj, '__qualname__', obj)}, which reaches "
+                                   f"{member.__name__}: it {how} the code of {source}, the course's own answer to "
+                                   f"exercise {exercise}; the exercise asks you to write it yourself. {advice}")
 
 
 @dataclass

@@ -45,9 +45,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch._C._distributed_c10d import ProcessGroup
 
-from dtcourse.checks.common import (Hint, _as_student, _check_names, _GroupPlace, _launch_check,
+from dtcourse.checks.common import (_as_student, _check_names, _GroupPlace, _launch_check,
                                      _launch_hints_once, _refuse_library_code, _SideBySide, _stop_at_first_failure)
 from dtcourse.checks.guard import Answers, _nbytes, watching
+from dtcourse.checks.messages import Hint
 from dtcourse.models.moe import MoE, Routing, capacity, route
 
 __all__ = ["check_moe_positions", "check_moe_dispatch", "check_moe_combine", "MOE_CASES", "POSITION_CASES",

@@ -45,9 +45,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch._C._distributed_c10d import ProcessGroup
 
-from dtcourse.checks.common import (Hint, _as_student, _check_names, _GroupPlace, _launch_check, _launch_hints_once,
+from dtcourse.checks.common import (_as_student, _check_names, _GroupPlace, _launch_check, _launch_hints_once,
                                      _refuse_library_code, _SideBySide, _stop_at_first_failure, _student_error)
 from dtcourse.checks.guard import Answers, _nbytes, watching
+from dtcourse.checks.messages import Hint
 
 __all__ = ["check_f_and_g", "check_column_parallel", "check_row_parallel", "check_parallel_mlp", "TP_CASES",
            "TP_TOL"]
