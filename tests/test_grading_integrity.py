@@ -391,3 +391,23 @@ def test_grading_without_the_source_says_to_self_check(tmp_path):
     done = subprocess.run([sys.executable, "-m", "dtcourse.cli", "check", "--help"], capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 0 and "visible checks" in done.stdout
+
+
+# --------------------------------------------------------------------------- #
+# How failures of several ranks read
+# --------------------------------------------------------------------------- #
+def _same_but_one(progress):
+    rank = torch.distributed.get_rank()
+    Path(progress, str(rank)).write_text("finished")
+    found = "ring step 2 sent 16 B; expected 32 B\n    hint: send the whole chunk" if rank < 4 else "timed out"
+    return ["case 'small'", found]
+
+
+def test_three_or_more_ranks_that_found_the_same_share_one_line_and_one_hint():
+    from dtcourse.checks.common import _launch_check
+    with pytest.raises(AssertionError) as info:
+        _launch_check("ring_all_reduce", 5, _same_but_one, (), 60, where=" on 5 ranks", hint="")
+    message = str(info.value)
+    assert message == ("ring_all_reduce is wrong on 5 ranks in case 'small':\n"
+                       "  ranks 0, 1, 2 and 3: ring step 2 sent 16 B; expected 32 B\n    hint: send the whole chunk\n"
+                       "  rank 4: timed out"), message

@@ -168,10 +168,17 @@ def _launch_check(label: str, world_size: int, rank_fn: Callable, args: tuple, t
             raise AssertionError(f"{label} crashed a rank{where}: {err}") from None
     failures = [(rank, result) for rank, result in enumerate(results) if result]
     if failures:
-        lines = [f"rank {rank}: {message}" for rank, (_, message) in failures[:4]]
+        same: dict[str, list[int]] = {}       # three or more ranks that found exactly the same: one line for them
+        for rank, (_, message) in failures:
+            same.setdefault(message, []).append(rank)
+        rows = [(ranks, message) for message, ranks in same.items() if len(ranks) >= 3]
+        rows += [([rank], message) for rank, (_, message) in failures if len(same[message]) < 3]
+        rows.sort(key=lambda row: row[0][0])
+        lines = [f"{_ranks(ranks)}: {message}" for ranks, message in rows[:4]]
         if world_size == 1:
             lines = [message for _, (_, message) in failures]
-        more = f"\n  ... and {len(failures) - 4} more ranks" if len(failures) > 4 else ""
+        shown = sum(len(ranks) for ranks, _ in rows[:4])
+        more = f"\n  ... and {len(failures) - shown} more ranks" if len(failures) > shown else ""
         raise AssertionError(hints_once(f"{label} is wrong{where} in {failures[0][1][0]}:\n  "
                                         + "\n  ".join(lines) + more))     # a hint every rank repeats: once
 
@@ -183,6 +190,13 @@ def _launch_hints_once(*args, inline: Sequence[Hint] = (), pointers: Sequence[st
     except AssertionError as error:
         error.args = (hints_once(str(error), inline, pointers),)
         raise
+
+
+def _ranks(ranks: list[int]) -> str:
+    """``rank 3``, ``ranks 0, 1 and 2``."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    return f"ranks {', '.join(map(str, ranks[:-1]))} and {ranks[-1]}"
 
 
 def _stop_at_first_failure(cases: Iterable[tuple[str, Callable[[], str | None]]], progress: str) -> list:
