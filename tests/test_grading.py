@@ -353,7 +353,7 @@ def test_right_sums_without_a_ring_fail_on_the_messages():
         _whole_tensor_around(total)
         output.copy_(total.reshape(n, -1)[rank].reshape(output.shape))
 
-    with pytest.raises(AssertionError, match=r"rank 1: sent a message of 96 bytes \(288 bytes in all\); a ring "
+    with pytest.raises(AssertionError, match=r"ranks 0, 1, 2 and 3: sent a message of 96 bytes \(288 bytes in all\); a ring "
                                              r"reduce-scatter of S = 96 bytes on N = 4 ranks sends N-1 = 3 messages "
                                              r"of one chunk, S/N = 24 bytes, each"):
         checks.check_reduce_scatter(whole_input_around, world_sizes=(4,), sizes=(6,))
