@@ -34,7 +34,7 @@ from __future__ import annotations
 import copy
 import weakref
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Container, Iterable, Sequence
 
 import torch
 import torch.nn as nn
@@ -44,7 +44,8 @@ from torch.utils._pytree import tree_leaves
 if TYPE_CHECKING:
     from dtcourse.models import GPTConfig
 
-__all__ = ["StepMemory", "measure_step", "PHASES", "storage_bytes", "SavedTensors", "HeldBytes", "predict_step",
+__all__ = ["StepMemory", "measure_step", "PHASES", "storage_bytes", "SavedTensors", "HeldBytes", "new_storages",
+           "predict_step",
            "OPTIMIZER_STATE_BYTES", "adam_model_state_bytes", "predict_adam_step",
            "mlp_activation_bytes", "gpt_layer_activation_bytes", "gpt_activation_bytes", "korthikanti_layer_bytes"]
 
@@ -310,6 +311,19 @@ def korthikanti_layer_bytes(s: int, b: int, h: int, a: int) -> float:
 
 
 # ---- Every storage alive, op by op -----------------------------------------
+def new_storages(inputs: object, out: object, known: Container[int]) -> list[torch.UntypedStorage]:
+    """The storages an op allocated: those its outputs hold that none of its ``inputs`` held (a view or an
+    in-place op returns an input's storage) and whose ``id`` is not in ``known``; empty ones left out."""
+    held = {t.untyped_storage().data_ptr() for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)}
+    found = []
+    for t in tree_leaves(out):
+        if isinstance(t, torch.Tensor):
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in held and id(storage) not in known and storage.nbytes() > 0:
+                found.append(storage)
+    return found
+
+
 class HeldBytes(TorchDispatchMode):
     """Within ``with HeldBytes() as held:``, the bytes of the storages that ops allocated and that are alive.
 
@@ -326,15 +340,7 @@ class HeldBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
-                  if isinstance(t, torch.Tensor)}
-        for t in tree_leaves(out):
-            if not isinstance(t, torch.Tensor):
-                continue
-            storage = t.untyped_storage()
-            # A view or an in-place op returns an input's storage: nothing new was allocated.
-            if storage.data_ptr() in inputs or id(storage) in self._live or storage.nbytes() == 0:
-                continue
+        for storage in new_storages((args, kwargs), out, self._live):
             self._live[id(storage)] = weakref.ref(storage, self._on_free(id(storage), storage.nbytes()))
             self.now += storage.nbytes()
         self.peak = max(self.peak, self.now)

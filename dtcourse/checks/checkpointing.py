@@ -34,6 +34,7 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from dtcourse.memory import new_storages
 from dtcourse.checks.common import _as_student, _check_names, _launch_check, _refuse_library_code, _student_error
 from dtcourse.checks.guard import Answers, watching
 
@@ -421,14 +422,7 @@ class _Lifetimes(TorchDispatchMode):
             if life is not None:
                 life.last_read = j
         out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tensors}
-        for t in tree_leaves(out):
-            if not isinstance(t, torch.Tensor):
-                continue
-            storage = t.untyped_storage()
-            # as HeldBytes: a view or an in-place op returns an input's storage, nothing new
-            if storage.data_ptr() in inputs or id(storage) in self._alive or storage.nbytes() == 0:
-                continue
+        for storage in new_storages(tensors, out, self._alive):      # what the op allocated, as HeldBytes counts
             life = _Life(j, storage.nbytes(), self.layer, last_read=j)
             life.ref = weakref.ref(storage, partial(self._freed, id(storage)))
             self._alive[id(storage)] = life
