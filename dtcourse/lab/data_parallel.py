@@ -44,7 +44,8 @@ from dtcourse.runtime.timeline import Recording, Span, Timeline, in_order, merge
 if TYPE_CHECKING:
     import ipywidgets
 
-__all__ = ["DDPRecorder", "ddp_spans", "OverlapSummary", "overlap_summary", "record_ddp_runs", "record_ddp_steps", "describe",
+__all__ = ["DDPRecorder", "ddp_spans", "OverlapSummary", "overlap_summary", "record_ddp_runs", "record_ddp_steps",
+           "describe",
            "ddp_timeline_widget", "plot_shards", "Link", "LOOPBACK", "fitted_link", "forward_collectives",
            "counted_step_flops", "Throughput", "measure_flops_per_s", "OverlapCase", "GPU_CASE", "plot_bucket_model",
            "problem_sampler_repeats", "problem_ring_bytes", "problem_bucket_latency", "problem_step_flops",
@@ -120,8 +121,8 @@ class DDPRecorder:
     its parameters, and ``dtcourse.runtime.observe``'s records of its all-reduces. The wrapper itself logs nothing.
 
     Spans (``time.perf_counter`` seconds, into ``timeline``): ``forward``; ``grad`` (a point: one gradient
-    computed, just before it is accumulated and the wrapper's hook sees it); ``backward`` (from when backward reaches the output
-    to when ``backward()`` returns); ``all_reduce`` per bucket (from the call to the completion of its work: the
+    computed, just before it is accumulated and the wrapper's hook sees it); ``backward`` (from when backward
+    reaches the output to when ``backward()`` returns); ``all_reduce`` per bucket (from the call to the completion of its work: the
     wrapper launches buckets strictly in index order, so the k-th all-reduce of a backward is bucket k's); and,
     for asynchronous all-reduces (``"overlapped"``), ``wait``: the time after the last gradient spent waiting for
     each bucket in turn, the communication that compute did not hide. Run each backward inside ``backward()``::

@@ -15,8 +15,8 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, ClassVar, Sequence
 
 import torch
 import torch.distributed as dist
@@ -30,7 +30,7 @@ from dtcourse.moe.cost import (balanced_drop, flops_per_token, padded_all_to_all
                                uniform_all_to_all_bytes)
 from dtcourse.parity import ParityReport, Tolerance, check_parity
 from dtcourse.runtime.launch import launch
-from dtcourse.runtime.observe import CommLog, labelled, observe
+from dtcourse.runtime.observe import CommLog, Records, labelled, observe
 
 if TYPE_CHECKING:
     import ipywidgets
@@ -178,14 +178,11 @@ class Exchange:
 
 
 @dataclass
-class AllToAllLog:
-    """The all-to-alls of expert parallelism, with sums by field (``total("sent", phase="forward")``)."""
+class AllToAllLog(Records):
+    """The all-to-alls of expert parallelism (``Exchange``), with sums by field (``total("sent", phase="forward")``;
+    ``sent`` when no field is named)."""
 
-    records: list[Exchange] = field(default_factory=list)
-
-    def total(self, key: str = "sent", **match: str) -> int:
-        """Sum of ``key`` ("sent", "received" or "rows") over the records whose fields equal ``match``."""
-        return sum(getattr(r, key) for r in self.records if all(getattr(r, k) == v for k, v in match.items()))
+    summed: ClassVar[str] = "sent"
 
 
 def exchanges_of(log: CommLog) -> AllToAllLog:

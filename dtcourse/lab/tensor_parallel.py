@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, ClassVar, Sequence
 
 import torch
 import torch.distributed as dist
@@ -38,7 +38,7 @@ from dtcourse.lab.widgets import COLUMN_IN, FigureView, figure_widget
 from dtcourse.memory import storage_bytes
 from dtcourse.models import GPT, GPTConfig, token_batch
 from dtcourse.runtime.launch import launch
-from dtcourse.runtime.observe import CommLog, label, labelled, observe
+from dtcourse.runtime.observe import CommLog, Records, label, labelled, observe
 from dtcourse.tensor_parallel import cost
 from dtcourse.tensor_parallel.cost import (GATHERED, GPT3_LAYER, H100_BF16, INFINIBAND, LAYOUTS, MFU, NODE, NVLINK, TERMS,
                                            CostRow, Link, Term, crossover, paper_layer_bytes, predicted_terms, tp_cost)
@@ -84,15 +84,11 @@ class Sent:
 
 
 @dataclass
-class Traffic:
-    """The collectives of one tensor-parallel step, with sums by op, layer and phase."""
+class Traffic(Records):
+    """The collectives of one tensor-parallel step (``Sent``), with sums by op, layer and phase
+    (``total("sent", where="blocks.0")``; ``numel`` when no field is named)."""
 
-    records: list[Sent] = field(default_factory=list)
-
-    def total(self, what: str = "numel", **match: str) -> int:
-        """Sum of ``numel`` or ``sent`` over the records whose fields equal ``match``, e.g. ``phase="forward"``."""
-        return sum(getattr(r, what) for r in self.records
-                   if all(getattr(r, k) == v for k, v in match.items()))
+    summed: ClassVar[str] = "numel"
 
     def __add__(self, other: Traffic) -> Traffic:
         return Traffic(self.records + other.records)

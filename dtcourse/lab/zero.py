@@ -53,7 +53,8 @@ if TYPE_CHECKING:
     import ipywidgets
 
 __all__ = ["OPTIMIZERS", "MEMORY_MLP", "PROBLEM_MLP", "TIMELINE_MLP", "KINDS", "Predicted", "predicted_memory",
-           "activation_bytes", "RankMemory", "measure_memory", "Collective", "collectives_of", "observed_step", "measure_traffic",
+           "activation_bytes", "RankMemory", "measure_memory", "Collective", "collectives_of", "observed_step",
+           "measure_traffic",
            "traffic_formula",
            "collectives_by_unit", "record_stage3", "prefetch_overlaps", "requested_ahead", "fsdp2_parity", "MemoryView",
            "memory_widget", "zero_timeline_widget", "problem_stage2_bytes", "problem_stage3_traffic",

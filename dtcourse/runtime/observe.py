@@ -35,12 +35,12 @@ import threading
 import time
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable, ClassVar, Iterator
 
 import torch
 from torch._C._distributed_c10d import ProcessGroup
 
-__all__ = ["Record", "CommLog", "observe", "label", "labelled", "COLLECTIVE_METHODS", "POINT_TO_POINT_METHODS",
+__all__ = ["Record", "Records", "CommLog", "observe", "label", "labelled", "COLLECTIVE_METHODS", "POINT_TO_POINT_METHODS",
            "patched"]
 
 COLLECTIVE_METHODS = ("allreduce", "allreduce_coalesced", "allgather", "allgather_coalesced", "_allgather_base",
@@ -87,17 +87,26 @@ class Record:
 
 
 @dataclass
-class CommLog:
-    """The records of one ``observe`` block, in the order the calls were made."""
+class Records:
+    """Records in order, with sums by field: ``select(op="send")``, ``total("nbytes", backward=True)``. The lab's
+    views of one technique's traffic (tensor parallelism's, expert parallelism's) are ``Records`` too."""
 
-    records: list[Record] = field(default_factory=list)
+    records: list = field(default_factory=list)
+    summed: ClassVar[str] = "nbytes"            # the field ``total`` sums when none is named
 
-    def select(self, **match) -> list[Record]:
+    def select(self, **match) -> list:
         """The records whose fields equal ``match`` (``op="send"``, ``backward=True``, ``label="blocks.0"``)."""
         return [r for r in self.records if all(getattr(r, k) == v for k, v in match.items())]
 
-    def total(self, what: str = "nbytes", **match) -> int:
-        return sum(getattr(r, what) for r in self.select(**match))
+    def total(self, key: str | None = None, /, **match) -> int:
+        """The sum of field ``key`` (``summed`` if None) over ``select(**match)``; positional, so that a record's
+        own field may be matched by any name (an all-to-all's ``what``)."""
+        return sum(getattr(r, key or self.summed) for r in self.select(**match))
+
+
+@dataclass
+class CommLog(Records):
+    """The ``Record`` of every call of one ``observe`` block, in the order the calls were made."""
 
 
 _LOGS: list[CommLog] = []                   # the open observe() blocks, innermost last
