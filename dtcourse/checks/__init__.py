@@ -47,7 +47,8 @@ from types import CodeType, FunctionType, MappingProxyType, ModuleType
 from typing import Callable
 
 from dtcourse.checks.collectives import FLOATS
-from dtcourse.runtime.refuse import is_library_file, is_student_class
+from dtcourse.checks.guard import code_objects, reached_functions
+from dtcourse.runtime.refuse import is_library_file
 
 __all__ = ["check_model_states", "check_activations",
            "check_ring_exchange", "check_reduce_scatter", "check_all_gather", "check_all_reduce", "FLOATS",
@@ -107,32 +108,10 @@ def _audit() -> None:
             "system must stay as they are), then restart the kernel and run all cells.")
 
 
-def _student_code(obj: object, seen: set[int] | None = None) -> list[CodeType]:
+def _student_code(obj: object) -> list[CodeType]:
     """The code objects of a student's function or class, and of the student functions they reach."""
-    seen = set() if seen is None else seen
-    found: list[CodeType] = []
-    if id(obj) in seen:
-        return found
-    seen.add(id(obj))
-    if isinstance(obj, type):
-        for klass in obj.__mro__:
-            if is_student_class(klass):
-                for member in vars(klass).values():
-                    member = getattr(member, "__func__", getattr(member, "fget", member))
-                    found += _student_code(member, seen)
-        return found
-    if not isinstance(obj, FunctionType) or is_library_file(obj.__code__.co_filename):
-        return found
-    codes = [obj.__code__]
-    while codes:
-        code = codes.pop()
-        found.append(code)
-        codes += [c for c in code.co_consts if isinstance(c, CodeType)]
-        for name in code.co_names:
-            value = obj.__globals__.get(name)
-            if isinstance(value, (FunctionType, type)):
-                found += _student_code(value, seen)
-    return found
+    return [code for f in reached_functions(obj) if not is_library_file(f.__code__.co_filename)
+            for code in code_objects(f.__code__)]
 
 
 def _name(obj: object) -> str:

@@ -44,7 +44,7 @@ from dtcourse.runtime.observe import COLLECTIVE_METHODS, patched
 from dtcourse.runtime.refuse import (ReferenceRefused, is_library_file, is_student_class, original_code,
                                      refuse_if_student, refusing, switched_off)
 
-__all__ = ["copied_answer", "Answers", "Watch", "watching", "course_answer", "COLLECTIVE_METHODS"]
+__all__ = ["copied_answer", "reached_functions", "code_objects", "Answers", "Watch", "watching", "course_answer", "COLLECTIVE_METHODS"]
 
 
 @dataclass(frozen=True)
@@ -120,8 +120,7 @@ def _answer_fingerprints() -> dict[tuple, str]:
     found = {}
     for obj, _, _ in _course_answers().values():
         if isinstance(obj, type):
-            members = [inspect.unwrap(getattr(m, "__func__", getattr(m, "fget", m))) for m in vars(obj).values()
-                       if callable(getattr(m, "__func__", getattr(m, "fget", m)))]
+            members = [inspect.unwrap(_method(m)) for m in vars(obj).values() if callable(_method(m))]
         else:
             members = [obj]
         for member in members:
@@ -143,24 +142,40 @@ def _filled(cell) -> bool:
         return False
 
 
-def _reached(obj: Callable, depth: int = 3) -> list[FunctionType]:
-    """``obj`` (a class: its students' methods) and the functions its code reaches, by global name or through its
-    closure, ``depth`` deep."""
-    if isinstance(obj, type):
-        start = [getattr(m, "__func__", getattr(m, "fget", m)) for k in obj.__mro__ if is_student_class(k)
-                 for m in vars(k).values()]
-    else:
-        start = [obj]
-    found: list[FunctionType] = []
-    todo = [(inspect.unwrap(f) if callable(f) else f, depth) for f in start]
+def _method(member: object) -> object:
+    """The function behind a class attribute: a method, a static or class method, or a property's getter."""
+    return getattr(member, "__func__", getattr(member, "fget", member))
+
+
+def code_objects(code: CodeType) -> list[CodeType]:
+    """``code`` and the code of every function defined inside it."""
+    found, todo = [], [code]
     while todo:
-        f, left = todo.pop()
-        if not isinstance(f, FunctionType) or any(f is g for g in found):
+        found.append(todo.pop())
+        todo += [c for c in found[-1].co_consts if isinstance(c, CodeType)]
+    return found
+
+
+def reached_functions(obj: object) -> list[FunctionType]:
+    """``obj`` and every function it reaches: for a class, what the student's classes in its MRO define; for a
+    function, the functions and classes its code (nested functions included) names as globals or holds in its
+    closure, followed through the student's code only (a library function is listed, not entered)."""
+    found: list[FunctionType] = []
+    seen, todo = set(), [obj]
+    while todo:
+        item = todo.pop()
+        if id(item) in seen:
             continue
-        found.append(f)
-        if left and not is_library_file(f.__code__.co_filename):
-            todo += [(f.__globals__.get(name), left - 1) for name in f.__code__.co_names]
-            todo += [(cell.cell_contents, left - 1) for cell in f.__closure__ or () if _filled(cell)]
+        seen.add(id(item))
+        if isinstance(item, type):
+            todo += [_method(m) for k in item.__mro__ if is_student_class(k) for m in vars(k).values()]
+        elif isinstance(item, functools.partial) or inspect.ismethod(item):
+            todo.append(item.func if isinstance(item, functools.partial) else item.__func__)
+        elif isinstance(item, FunctionType):
+            found.append(item)
+            if not is_library_file(item.__code__.co_filename):
+                todo += [item.__globals__.get(name) for code in code_objects(item.__code__) for name in code.co_names]
+                todo += [cell.cell_contents for cell in item.__closure__ or () if _filled(cell)]
     return found
 
 
@@ -169,7 +184,7 @@ def _refuse_copies(check: str, obj: Callable, exercise: str, advice: str) -> Non
     source), or a copy of the function object made from its ``__code__``, handed to the check or reached from
     the student's code. Code typed in a cell is not compared: a short right answer may coincide with the
     course's, and a copy typed into a cell is the instructor's to judge."""
-    for member in _reached(obj):
+    for member in reached_functions(obj):
         filename = member.__code__.co_filename
         if course_answer(member) or not (filename.startswith("<") or is_library_file(filename)):
             continue
