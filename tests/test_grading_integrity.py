@@ -226,15 +226,18 @@ def _with_cell_after_setup(path: Path, code: str) -> None:
     path.write_text(json.dumps(nb, indent=1))
 
 
+# Exercise 01's four answers, each an empty function
+EMPTY = {"send_right_recv_left": "def send_right_recv_left(send, recv):\n    pass",
+         "ring_reduce_scatter": "def ring_reduce_scatter(output, input_tensor):\n    pass",
+         "ring_all_gather": "def ring_all_gather(output, input_tensor):\n    pass",
+         "ring_all_reduce": "def ring_all_reduce(tensor):\n    pass"}
+
+
 def test_cheating_notebooks_score_zero_and_are_flagged(tmp_path):
     """Empty functions, with the checks rebound in a solution cell and patched in an extra cell."""
-    empty = {"send_right_recv_left": ("def send_right_recv_left(send, recv):\n    pass\n"
-                                      "check_ring_exchange = check_reduce_scatter = lambda *a, **k: None\n"
-                                      "check_all_gather = check_all_reduce = lambda *a, **k: None"),
-             "ring_reduce_scatter": "def ring_reduce_scatter(output, input_tensor):\n    pass",
-             "ring_all_gather": "def ring_all_gather(output, input_tensor):\n    pass",
-             "ring_all_reduce": "def ring_all_reduce(tensor):\n    pass"}
-    path = student_copy(NAME, tmp_path, empty)
+    rebinds = ("\ncheck_ring_exchange = check_reduce_scatter = lambda *a, **k: None\n"
+               "check_all_gather = check_all_reduce = lambda *a, **k: None")
+    path = student_copy(NAME, tmp_path, dict(EMPTY, send_right_recv_left=EMPTY["send_right_recv_left"] + rebinds))
     _with_cell_after_setup(path, "import dtcourse.checks.common as common\n"
                                  "common._launch_check = lambda *args, **kwargs: None\n"
                                  "import dtcourse.checks.collectives as mine\nmine._compare = lambda *args: None")
@@ -279,11 +282,7 @@ def test_an_answer_executed_from_its_source_is_refused_and_one_typed_alike_is_no
 def test_checks_rewritten_before_they_run_leave_no_receipt_and_score_nothing(tmp_path):
     """An IPython input transformer that turns every later cell's check calls into ``pass``: each graded cell
     then finishes without an error, but its check never ran, so it left no receipt."""
-    empty = {"send_right_recv_left": "def send_right_recv_left(send, recv):\n    pass",
-             "ring_reduce_scatter": "def ring_reduce_scatter(output, input_tensor):\n    pass",
-             "ring_all_gather": "def ring_all_gather(output, input_tensor):\n    pass",
-             "ring_all_reduce": "def ring_all_reduce(tensor):\n    pass"}
-    path = student_copy(NAME, tmp_path, empty)
+    path = student_copy(NAME, tmp_path, EMPTY)
     _with_cell_after_setup(path, "def quiet(lines):\n"
                                  "    return [('pass\\n' if 'check_' in line else line) for line in lines]\n"
                                  "get_ipython().input_transformers_post.append(quiet)")

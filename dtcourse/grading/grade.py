@@ -99,55 +99,54 @@ def grade_notebook(path: str | os.PathLike, source: str | os.PathLike | None = N
 
     executed: set[int] = set()
     started: set[int] = set()          # cells the kernel began; none: it died while starting (KERNEL_STARTS)
-    receipts_dir = tempfile.TemporaryDirectory(prefix="dtcourse-receipts-")
-    receipts = Path(receipts_dir.name, "receipts")
-    receipts.touch()
-    begun: dict[int, int] = {}         # cell -> the receipts file's size when it started
-    left: dict[int, list[str]] = {}    # cell -> the checks that passed while it ran
+    with tempfile.TemporaryDirectory(prefix="dtcourse-receipts-") as folder:      # gone on every return
+        receipts = Path(folder, "receipts")
+        receipts.touch()
+        begun: dict[int, int] = {}         # cell -> the receipts file's size when it started
+        left: dict[int, list[str]] = {}    # cell -> the checks that passed while it ran
 
-    def on_cell_start(cell_index: int, **_) -> None:
-        started.add(cell_index)
-        begun[cell_index] = receipts.stat().st_size
+        def on_cell_start(cell_index: int, **_) -> None:
+            started.add(cell_index)
+            begun[cell_index] = receipts.stat().st_size
 
-    def on_cell_executed(cell: nbformat.NotebookNode, cell_index: int, execute_reply: dict, **_) -> None:
-        # As nbgrader's Execute: an error only the reply knows of (a timeout) becomes an output.
-        executed.add(cell_index)
-        with open(receipts, encoding="utf-8") as f:
-            f.seek(begun.get(cell_index, 0))
-            left[cell_index] = f.read().split()
-        reply = (execute_reply or {}).get("content", {})
-        if reply.get("status") == "error" and not any(
-                o.output_type == "error" and o.ename == reply.get("ename") for o in cell.outputs):
-            cell.outputs.insert(0, nbformat.v4.new_output("error", ename=reply.get("ename", "Error"),
-                                                          evalue=reply.get("evalue", ""), traceback=[]))
+        def on_cell_executed(cell: nbformat.NotebookNode, cell_index: int, execute_reply: dict, **_) -> None:
+            # As nbgrader's Execute: an error only the reply knows of (a timeout) becomes an output.
+            executed.add(cell_index)
+            with open(receipts, encoding="utf-8") as f:
+                f.seek(begun.get(cell_index, 0))
+                left[cell_index] = f.read().split()
+            reply = (execute_reply or {}).get("content", {})
+            if reply.get("status") == "error" and not any(
+                    o.output_type == "error" and o.ename == reply.get("ename") for o in cell.outputs):
+                cell.outputs.insert(0, nbformat.v4.new_output("error", ename=reply.get("ename", "Error"),
+                                                              evalue=reply.get("evalue", ""), traceback=[]))
 
-    env = dict(os.environ, **{RECEIPTS: str(receipts)})
-    if check_timeout:
-        env["DTCOURSE_CHECK_TIMEOUT"] = str(check_timeout)
-    stopped = ""
-    for start in range(1, KERNEL_STARTS + 1):
-        client = NotebookClient(
-            nb, timeout=max(1, round(cell_timeout)), kernel_name=kernel_name, allow_errors=True,
-            interrupt_on_timeout=True, resources={"metadata": {"path": str(path.parent.resolve())}},
-            error_on_timeout={"ename": "CellTimeoutError", "traceback": [],
-                              "evalue": f"the cell ran longer than {cell_timeout:g} s and was interrupted"},
-            on_cell_executed=on_cell_executed, on_cell_start=on_cell_start,
-            # The kernel's own warnings (ipykernel's "running over TCP without encryption" on every
-            # start) would be the first line a student reads; errors still show.
-            extra_arguments=["--IPKernelApp.log_level=ERROR"])
-        try:
-            client.execute(env=env)
-        except Exception as err:  # the kernel died, or never started
-            stopped = f"{type(err).__name__}: {_first_line(str(err))}"
-            if not started and start < KERNEL_STARTS:
-                continue            # died before its first cell: started again (see KERNEL_STARTS)
-            if not executed:
-                tries = f" after {start} starts" if start > 1 else ""
-                report.error = f"the kernel {kernel_name!r} did not run the notebook{tries} ({stopped})"
-                return report
-        break
-    _score(nb, executed, stopped, report, self_check, left)
-    receipts_dir.cleanup()
+        env = dict(os.environ, **{RECEIPTS: str(receipts)})
+        if check_timeout:
+            env["DTCOURSE_CHECK_TIMEOUT"] = str(check_timeout)
+        stopped = ""
+        for start in range(1, KERNEL_STARTS + 1):
+            client = NotebookClient(
+                nb, timeout=max(1, round(cell_timeout)), kernel_name=kernel_name, allow_errors=True,
+                interrupt_on_timeout=True, resources={"metadata": {"path": str(path.parent.resolve())}},
+                error_on_timeout={"ename": "CellTimeoutError", "traceback": [],
+                                  "evalue": f"the cell ran longer than {cell_timeout:g} s and was interrupted"},
+                on_cell_executed=on_cell_executed, on_cell_start=on_cell_start,
+                # The kernel's own warnings (ipykernel's "running over TCP without encryption" on every
+                # start) would be the first line a student reads; errors still show.
+                extra_arguments=["--IPKernelApp.log_level=ERROR"])
+            try:
+                client.execute(env=env)
+            except Exception as err:  # the kernel died, or never started
+                stopped = f"{type(err).__name__}: {_first_line(str(err))}"
+                if not started and start < KERNEL_STARTS:
+                    continue            # died before its first cell: started again (see KERNEL_STARTS)
+                if not executed:
+                    tries = f" after {start} starts" if start > 1 else ""
+                    report.error = f"the kernel {kernel_name!r} did not run the notebook{tries} ({stopped})"
+                    return report
+            break
+        _score(nb, executed, stopped, report, self_check, left)
     return report
 
 
@@ -212,8 +211,9 @@ def _checks_called(code: str) -> set[str]:
     return called & audit.check_names()
 
 
-def _score(nb: nbformat.NotebookNode, executed: set[int], stopped: str, report: Report,
-           self_check: bool = False, left: dict[int, list[str]] | None = None) -> None:
+def _score(nb: nbformat.NotebookNode, executed: set[int], stopped: str, report: Report, self_check: bool,
+           left: dict[int, list[str]]) -> None:
+    """Score every graded cell; ``left``: the receipts each cell's checks left while it ran."""
     failed_before = False
     for index, cell in enumerate(nb.cells):
         meta = cell.metadata.get("nbgrader", {})
@@ -236,8 +236,8 @@ def _score(nb: nbformat.NotebookNode, executed: set[int], stopped: str, report: 
             check.points, check.message = _determine_grade(cell, check.max_points)
             if check.points < check.max_points and failed_before and "NameError" in check.message:
                 check.message += "\n(probably because a cell above failed: see Notes)"
-            missing = sorted(_checks_called(cell.source) - set((left or {}).get(index, ())))
-            if check.points and missing and left is not None:
+            missing = sorted(_checks_called(cell.source) - set(left.get(index, ())))
+            if check.points and missing:
                 check.points = 0.0
                 check.message = (f"{', '.join(missing)} left no receipt: the cell finished, but the check did not run "
                                  "as written (something in the notebook changed or skipped it)")
