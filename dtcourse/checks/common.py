@@ -134,12 +134,13 @@ def _deadlock(message: str) -> AssertionError:
 
 
 def _launch_check(label: str, world_size: int, rank_fn: Callable, args: tuple, timeout: float | None,
-                  where: str, hint: str) -> None:
+                  where: str, hint: str, inline: Sequence[Hint] = (), pointers: Sequence[str] = ()) -> None:
     """Run ``rank_fn(*args, progress)`` on every rank; turn whatever went wrong into an AssertionError.
 
     ``rank_fn`` returns ``[]``, or ``[case, message]`` for a wrong answer, and notes the case it is in
     in the file ``progress/<rank>`` (``"finished"`` at the end), so a hang names the case. The ranks
-    print warnings and stderr on stdout (``_stderr_to_stdout``).
+    print warnings and stderr on stdout (``_stderr_to_stdout``). A hint that several ranks' messages repeat
+    is printed once (``messages.hints_once``; ``inline`` and ``pointers`` as there).
     """
     if timeout is None:
         timeout = float(os.environ.get("DTCOURSE_CHECK_TIMEOUT", "20"))
@@ -180,16 +181,7 @@ def _launch_check(label: str, world_size: int, rank_fn: Callable, args: tuple, t
         shown = sum(len(ranks) for ranks, _ in rows[:4])
         more = f"\n  ... and {len(failures) - shown} more ranks" if len(failures) > shown else ""
         raise AssertionError(hints_once(f"{label} is wrong{where} in {failures[0][1][0]}:\n  "
-                                        + "\n  ".join(lines) + more))     # a hint every rank repeats: once
-
-
-def _launch_hints_once(*args, inline: Sequence[Hint] = (), pointers: Sequence[str] = (), **kwargs) -> None:
-    """``_launch_check``; its error (the same one: a deadlock stays marked one) with each hint once."""
-    try:
-        _launch_check(*args, **kwargs)
-    except AssertionError as error:
-        error.args = (hints_once(str(error), inline, pointers),)
-        raise
+                                        + "\n  ".join(lines) + more, inline, pointers))   # a repeated hint: once
 
 
 def _ranks(ranks: list[int]) -> str:

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch._C._distributed_c10d import ProcessGroup
 
 from dtcourse.checks.common import (_as_student, _check_names, _GroupPlace, _launch_check,
-                                     _launch_hints_once, _refuse_library_code, _SideBySide, _stop_at_first_failure)
+                                     _refuse_library_code, _SideBySide, _stop_at_first_failure)
 from dtcourse.checks.guard import Answers, _nbytes, watching
 from dtcourse.checks.messages import Hint
 from dtcourse.models.moe import MoE, Routing, capacity, route
@@ -289,7 +289,7 @@ def check_moe_positions(fn: Callable, cases: Sequence[str] = ("small",), timeout
     """
     _check_names("check_moe_positions", fn, cases, POSITION_CASES)
     _refuse_library_code("check_moe_positions", fn, ANSWERS.exercise, _ADVICE)
-    _launch_hints_once(getattr(fn, "__name__", "your function"), 1, _positions_rank, (fn, tuple(cases)), timeout,
+    _launch_check(getattr(fn, "__name__", "your function"), 1, _positions_rank, (fn, tuple(cases)), timeout,
                        where="", hint="Does a loop in it never end?", inline=_HINTS, pointers=(_POINTER,))
 
 
@@ -461,7 +461,7 @@ def _launch(check: str, label: str, rank_case: Callable, students: tuple, cases:
     chosen = [case for name in cases for case in MOE_CASES[name][1]]
     for world in sorted({case.world for case in chosen}):
         mine = tuple(case for case in chosen if case.world == world)
-        _launch_hints_once(label, world, _rank, (rank_case, students, mine), timeout, where=f" on {world} ranks",
+        _launch_check(label, world, _rank, (rank_case, students, mine), timeout, where=f" on {world} ranks",
                            hint=_HINT, inline=_HINTS, pointers=(_POINTER,))
 
 

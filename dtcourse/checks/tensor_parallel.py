@@ -45,7 +45,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch._C._distributed_c10d import ProcessGroup
 
-from dtcourse.checks.common import (_as_student, _check_names, _GroupPlace, _launch_check, _launch_hints_once,
+from dtcourse.checks.common import (_as_student, _check_names, _GroupPlace, _launch_check,
                                      _refuse_library_code, _SideBySide, _stop_at_first_failure, _student_error)
 from dtcourse.checks.guard import Answers, _nbytes, watching
 from dtcourse.checks.messages import Hint
@@ -282,7 +282,7 @@ def _launch(check: str, label: str, rank_case: Callable, students: tuple, cases:
     chosen = [case for name in cases for case in TP_CASES[name][1]]
     for world in sorted({case.world for case in chosen}):
         mine = tuple(case for case in chosen if case.world == world)
-        _launch_hints_once(label, world, _rank, (rank_case, students, mine), timeout, where=f" on {world} ranks",
+        _launch_check(label, world, _rank, (rank_case, students, mine), timeout, where=f" on {world} ranks",
                            hint=_HINT, inline=_HINTS)
 
 
