@@ -2,11 +2,11 @@
 
 The checks test the algorithm, not only the answer: a step that averages right with an all-reduce
 fails the technique's checks (8 of the 14 points), one that keeps every gradient until backward ends
-(stage 1) or never frees the .grad fails part 1's (4 points), and each names the rank, the bucket
+(stage 1) or never frees the .grad fails part 1's (4 points), and each names the rank, the flat
 and the bytes; a forgotten division, the wrong part, a missing all-gather, gradients that accumulate
 across steps and a full-model optimizer fail with a hint that says which; a deadlock fails after the
-timeout; the course's own ``dtcourse.zero.ZeRO`` is refused. Everything here calls the checks
-directly (each launch forks its ranks in well under a second); full marks for the solution and zero
+timeout; the course's own ``dtcourse.zero.ZeRO`` and its stage-2 methods are refused. Everything here calls
+the checks directly (each launch forks its ranks in well under a second); full marks for the solution and zero
 for the untouched exercise are checked with every exercise's, in ``test_grading.py``. Run just these
 with ``pytest -q tests/test_zero_exercise.py``, and everything about this exercise with
 ``pytest -q tests -k "06_zero_stage2 or test_zero_exercise"``.
@@ -29,7 +29,7 @@ from dtcourse.zero import ZeRO
 from exercise_harness import EXPECTED, assert_released, nbgrader_cells, solution_code, source_path
 
 NAME = "06_zero_stage2"
-ALL_CASES = ("mlp", "per_parameter", "one_bucket", "scattered", "tiny", "gpt")
+ALL_CASES = ("mlp", "one_unit", "mixed", "tiny", "gpt")
 
 
 def _notebook() -> dict:
@@ -45,14 +45,10 @@ NOTEBOOK = _notebook()
 ZeroBase, ZeroStage2 = NOTEBOOK["ZeroBase"], NOTEBOOK["ZeroStage2"]
 
 
-def _flat_gradient(self, bucket) -> torch.Tensor:
-    """The bucket's (N·s,) gradient, zero in the padding; the .grad are dropped."""
-    grad = torch.zeros_like(bucket.flat)
-    for j in bucket.ids:
-        lo, hi = bucket.span[j]
-        grad[lo:hi] = self.params[j].grad.reshape(-1)
-        self.params[j].grad = None
-    return grad
+def _complete(flat) -> bool:
+    """Count one more gradient in; True once the flat has all of them (the solution's first two lines)."""
+    flat.ready += 1
+    return flat.ready == len(flat.params)
 
 
 # --------------------------------------------------------------------------- #
@@ -61,187 +57,180 @@ def _flat_gradient(self, bucket) -> torch.Tensor:
 class _SumNotMean(ZeroStage2):
     """Reduce-scatters, but keeps the sum over the ranks."""
 
-    def grad_ready(self, i):
-        bucket = self.bucket_of[i]
-        bucket.pending -= 1
-        if bucket.pending == 0:
-            part = torch.empty(bucket.size)
-            dist.reduce_scatter_single(part, _flat_gradient(self, bucket))
-            bucket.shard.grad = part
+    def _grad_ready(self, unit, flat, p):
+        if _complete(flat):
+            dist.reduce_scatter_single(flat.grad, flat.gradient_bucket(torch.float32))
 
 
 class _NextRanksPart(ZeroStage2):
-    """All-reduces the bucket (twice the bytes) and keeps the next rank's part of the mean."""
+    """All-reduces the flat's gradient (twice the bytes) and keeps the next rank's part of the mean."""
 
-    def grad_ready(self, i):
-        bucket = self.bucket_of[i]
-        bucket.pending -= 1
-        if bucket.pending == 0:
-            grad = _flat_gradient(self, bucket)
-            dist.all_reduce(grad)
-            r, s = (self.rank + 1) % self.world_size, bucket.size
-            bucket.shard.grad = grad[r * s:(r + 1) * s].clone() / self.world_size
+    def _grad_ready(self, unit, flat, p):
+        if _complete(flat):
+            bucket = flat.gradient_bucket(torch.float32)
+            dist.all_reduce(bucket)
+            r, s = (dist.get_rank() + 1) % self.world, flat.size
+            flat.grad = bucket[r * s:(r + 1) * s].clone() / self.world
 
 
 class _AllReduced(ZeroStage2):
-    """Right numbers, the way data parallelism gets them: an all-reduce of each bucket, then a slice."""
+    """Right numbers, the way data parallelism gets them: an all-reduce of each flat's gradient, then a slice."""
 
-    def grad_ready(self, i):
-        bucket = self.bucket_of[i]
-        bucket.pending -= 1
-        if bucket.pending == 0:
-            grad = _flat_gradient(self, bucket)
-            dist.all_reduce(grad)              # sends 2(N-1)/N * grad.nbytes
-            s = bucket.size
-            bucket.shard.grad = grad[self.rank * s:(self.rank + 1) * s].clone() / self.world_size
+    def _grad_ready(self, unit, flat, p):
+        if _complete(flat):
+            bucket = flat.gradient_bucket(torch.float32)
+            dist.all_reduce(bucket)              # sends 2(N-1)/N * bucket.nbytes
+            lo, hi = flat.owned
+            flat.grad = bucket[lo:hi].clone() / self.world
 
 
 class _Stage1(ZeroStage2):
     """Right numbers and bytes, but every gradient is kept until backward ends, then reduce-scattered."""
 
-    def grad_ready(self, i):
-        if all(b.pending == len(b.ids) for b in self.buckets):
+    def _grad_ready(self, unit, flat, p):
+        if all(f.ready == 0 for f in self._flats(trainable=True)):
             torch.autograd.Variable._execution_engine.queue_callback(self.after_backward)
-        self.bucket_of[i].pending -= 1
+        flat.ready += 1
 
     def after_backward(self):
-        for bucket in self.buckets:
-            bucket.pending = 1
-            super().grad_ready(bucket.ids[0])
+        for unit in self.units:
+            for flat in unit.flats:
+                flat.ready = len(flat.params) - 1
+                super()._grad_ready(unit, flat, flat.params[0])
 
 
 class _KeepsTheGrad(ZeroStage2):
-    """Reduce-scatters each bucket in its hook, but never drops the parameters' .grad."""
+    """Reduce-scatters each flat in its hook, but copies the gradients out without dropping the parameters' .grad."""
 
-    def grad_ready(self, i):
-        bucket = self.bucket_of[i]
-        bucket.pending -= 1
-        if bucket.pending == 0:
-            grad = torch.zeros_like(bucket.flat)
-            for j in bucket.ids:
-                lo, hi = bucket.span[j]
-                grad[lo:hi] = self.params[j].grad.reshape(-1)
-            part = torch.empty(bucket.size)
-            dist.reduce_scatter_single(part, grad)
-            bucket.shard.grad = part / self.world_size
+    def _grad_ready(self, unit, flat, p):
+        if _complete(flat):
+            bucket = torch.zeros(flat.padded)
+            for q, (lo, hi) in zip(flat.params, flat.spans):
+                bucket[lo:hi] = q.grad.reshape(-1)
+            dist.reduce_scatter_single(flat.grad, bucket)
+            flat.grad.div_(self.world)
 
 
 class _KeepsABuffer(ZeroStage2):
-    """Right, but keeps each bucket's whole flat gradient in the bucket, as DDP keeps its buffers."""
+    """Right, but keeps each flat's whole gradient bucket on the flat, as DDP keeps its buffers."""
 
-    def grad_ready(self, i):
-        bucket = self.bucket_of[i]
-        bucket.pending -= 1
-        if bucket.pending == 0:
-            bucket.gradient = _flat_gradient(self, bucket)
-            part = torch.empty(bucket.size)
-            dist.reduce_scatter_single(part, bucket.gradient)
-            bucket.shard.grad = part / self.world_size
+    def _grad_ready(self, unit, flat, p):
+        if _complete(flat):
+            flat.bucket = flat.gradient_bucket(torch.float32)
+            dist.reduce_scatter_single(flat.grad, flat.bucket)
+            flat.grad.div_(self.world)
 
 
-class _ShardIsAView(ZeroStage2):
-    """Right numbers and bytes, but shard.grad is a view into the whole reduced bucket."""
+class _PartIsAView(ZeroStage2):
+    """Right numbers and bytes, but flat.grad is a view into a tensor the size of the whole flat."""
 
-    def grad_ready(self, i):
-        bucket = self.bucket_of[i]
-        bucket.pending -= 1
-        if bucket.pending == 0:
-            grad = _flat_gradient(self, bucket)
-            out = torch.empty_like(grad)
-            dist.reduce_scatter_single(out[:bucket.size], grad)
-            bucket.shard.grad = out[:bucket.size].div_(self.world_size)
+    def _grad_ready(self, unit, flat, p):
+        if _complete(flat):
+            bucket = flat.gradient_bucket(torch.float32)
+            out = torch.empty_like(bucket)
+            dist.reduce_scatter_single(out[:flat.size], bucket)
+            flat.grad = out[:flat.size].div_(self.world)
 
 
 class _NoAllGather(ZeroStage2):
-    """Steps the shards and stops there: the model's parameters never change."""
+    """Steps the masters and stops there: the other ranks' parts never arrive."""
+
+    def step(self):
+        for flat in self._flats(trainable=True):
+            flat.master.grad = flat.grad
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+
+
+class _NoMasterGradient(ZeroStage2):
+    """All-gathers, but never hands flat.grad to the masters: the optimizer has nothing to step."""
 
     def step(self):
         self.optimizer.step()
-        self.optimizer.zero_grad()
+        with torch.no_grad():
+            for flat in self._flats(trainable=True):
+                dist.all_gather_single(flat.full, flat.shard.clone())
 
 
 class _OwnPartOnly(ZeroStage2):
-    """Copies this rank's updated shard into flat, and nothing more."""
+    """Steps this rank's part (a view of full, so the model sees it), and nothing more."""
 
     def step(self):
+        for flat in self._flats(trainable=True):
+            flat.master.grad = flat.grad
         self.optimizer.step()
         self.optimizer.zero_grad()
-        with torch.no_grad():
-            for bucket in self.buckets:
-                bucket.flat[self.rank * bucket.size:(self.rank + 1) * bucket.size] = bucket.shard
 
 
 class _AllReducesParameters(ZeroStage2):
-    """Right parameters, by an all-reduce of flat with only this rank's part filled in: twice the bytes."""
+    """Right parameters, by an all-reduce of full with only this rank's part filled in: twice the bytes."""
 
     def step(self):
+        for flat in self._flats(trainable=True):
+            flat.master.grad = flat.grad
         self.optimizer.step()
         self.optimizer.zero_grad()
         with torch.no_grad():
-            for bucket in self.buckets:
-                bucket.flat.zero_()
-                bucket.flat[self.rank * bucket.size:(self.rank + 1) * bucket.size] = bucket.shard
-                dist.all_reduce(bucket.flat)
+            for flat in self._flats(trainable=True):
+                lo, hi = flat.owned
+                mine = flat.full[lo:hi].clone()
+                flat.full.zero_()
+                flat.full[lo:hi] = mine
+                dist.all_reduce(flat.full)
 
 
-class _AddsToTheShardGrad(ZeroStage2):
-    """Adds each backward's reduced part to shard.grad, and step() never clears it: step k steps the sum."""
+class _AddsToTheGrad(ZeroStage2):
+    """Adds each backward's reduced part to flat.grad, and never sets the masters' gradient back: step k steps
+    the sum."""
 
-    def grad_ready(self, i):
-        bucket = self.bucket_of[i]
-        bucket.pending -= 1
-        if bucket.pending == 0:
-            part = torch.empty(bucket.size)
-            dist.reduce_scatter_single(part, _flat_gradient(self, bucket))
-            if bucket.shard.grad is None:
-                bucket.shard.grad = part / self.world_size
-            else:
-                bucket.shard.grad += part / self.world_size
+    def _grad_ready(self, unit, flat, p):
+        if _complete(flat):
+            part = torch.empty(flat.size)
+            dist.reduce_scatter_single(part, flat.gradient_bucket(torch.float32))
+            flat.grad += part / self.world
 
     def step(self):
+        for flat in self._flats(trainable=True):
+            flat.master.grad = flat.grad
         self.optimizer.step()
         with torch.no_grad():
-            for bucket in self.buckets:
-                dist.all_gather_single(bucket.flat, bucket.shard)
+            for flat in self._flats(trainable=True):
+                dist.all_gather_single(flat.full, flat.shard.clone())
 
 
 class _ForgetsTheOptimizer(ZeroStage2):
     """Builds a new optimizer for every step: right at step 1, then its momentum or moments start again."""
 
-    def __init__(self, module, optimizer, buckets):
-        super().__init__(module, optimizer, buckets)
+    def __init__(self, module, optimizer, units=None):
+        super().__init__(module, optimizer, units)
         self.make_optimizer = optimizer
 
     def step(self):
-        self.optimizer.step()
-        self.optimizer.zero_grad()
-        with torch.no_grad():
-            for bucket in self.buckets:
-                dist.all_gather_single(bucket.flat, bucket.shard)
-        self.optimizer = self.make_optimizer([bucket.shard for bucket in self.buckets])
+        super().step()
+        self.optimizer = self.make_optimizer([flat.master for flat in self._flats(trainable=True)])
 
 
 class _WholeModelOptimizer(ZeroStage2):
-    """Builds a second optimizer on the whole model, and steps it with all-gathered gradients."""
+    """Builds a second optimizer on the whole model."""
 
-    def __init__(self, module, optimizer, buckets):
-        super().__init__(module, optimizer, buckets)
+    def __init__(self, module, optimizer, units=None):
+        super().__init__(module, optimizer, units)
         self.everything = optimizer(module.parameters())
 
 
 class _WaitsForRankOne(ZeroStage2):
     """Rank 0 waits for a message rank 1 never sends; rank 1 waits in the first reduce-scatter."""
 
-    def grad_ready(self, i):
-        if self.rank == 0:
+    def _grad_ready(self, unit, flat, p):
+        if dist.get_rank() == 0:
             dist.recv(torch.zeros(1), src=1)
-        super().grad_ready(i)
+        super()._grad_ready(unit, flat, p)
 
 
 class _BuildsTheCourses(torch.nn.Module):
     """Hands the work to the course's own ZeRO."""
 
-    def __init__(self, module, optimizer, buckets):
+    def __init__(self, module, optimizer, units=None):
         super().__init__()
         self.zero = ZeRO(module, 2, optimizer)
 
@@ -253,6 +242,19 @@ class _BuildsTheCourses(torch.nn.Module):
         self.zero.zero_grad()
 
 
+class _CallsTheCoursesMethods(ZeroStage2):
+    """Borrows the course's stage-2 methods, unbound, on its own object."""
+
+    stage, _async, _grad_is_view, reduce_dtype = 2, False, False, torch.float32
+
+    def __init__(self, module, optimizer, units=None):
+        super().__init__(module, optimizer, units)
+        self._reductions, self._arrived, self._in_backward, self._has_grads = [], set(), True, False
+
+    def _grad_ready(self, unit, flat, p):
+        ZeRO._grad_ready(self, unit, flat, p)
+
+
 class _Inherits(ZeRO):
     pass
 
@@ -261,13 +263,24 @@ class _Inherits(ZeRO):
 # The released notebook
 # --------------------------------------------------------------------------- #
 def test_released_notebook_hides_the_answer_and_gives_the_scaffolding():
-    assert_released(NAME, absent=["reduce_scatter_single(part, grad)", "all_gather_single(bucket.flat",
+    assert_released(NAME, absent=["reduce_scatter_single(flat.grad, bucket)", "all_gather_single(flat.full",
                                   'world_sizes=(3, 5)'],
                     stubs={"zero_stage2": 2},
-                    given={"zero_stage2": ["def grad_ready(self, i: int) -> None:", "def step(self) -> None:"],
-                           "scaffold": ["register_post_accumulate_grad_hook", "size = -(-lo // self.world_size)",
-                                        "self.optimizer = optimizer([bucket.shard for bucket in self.buckets])"]})
+                    given={"zero_stage2": ["def _grad_ready(self, unit: Unit, flat: FlatShard, p: nn.Parameter) -> None:",
+                                           "def step(self) -> None:"],
+                           "scaffold": ["from dtcourse.zero import FlatShard, Unit, build_units, default_units",
+                                        "register_post_accumulate_grad_hook",
+                                        "self.units = build_units(module, names, self.world, dist.get_rank()",
+                                        "self.optimizer = optimizer([flat.master for flat in self._flats("]})
     assert EXPECTED[NAME].points == 14
+
+
+def test_the_exercise_reads_like_the_library():
+    """The scaffolding is the library's layout, and the methods the student writes are ZeRO's own names."""
+    from dtcourse.zero import FlatShard as LibraryFlatShard, Unit as LibraryUnit
+    assert NOTEBOOK["FlatShard"] is LibraryFlatShard and NOTEBOOK["Unit"] is LibraryUnit
+    for method in ("_grad_ready", "step", "_flats"):
+        assert callable(getattr(ZeRO, method)) and method in vars(ZeroBase) | vars(ZeroStage2), method
 
 
 # --------------------------------------------------------------------------- #
@@ -290,15 +303,16 @@ def test_a_sum_not_a_mean_is_named_with_its_factor():
     message = str(info.value)
     assert "_SumNotMean is wrong at world size 3 in case 'mlp'" in message, message
     for rank in range(3):
-        assert re.search(rf"rank {rank}: bucket 0 \(net\.4\.bias, net\.4\.weight, net\.2\.bias: 71 elements padded "
-                         rf"to 72, 24 per rank\): shard\.grad differs from this rank's part of the mean gradient "
-                         rf"\(elements \[{24 * rank}, {24 * rank + 24}\) of the padded bucket\) by up to \S+ at "
-                         r"net\.\d\.\w+\[\d+\]", message), message
+        assert re.search(rf"rank {rank}: the flat of unit 'net\.0' \(net\.0\.weight, net\.0\.bias: 104 elements "
+                         rf"padded to 105, 35 per rank\): flat\.grad differs from this rank's part of the mean "
+                         rf"gradient \(elements \[{35 * rank}, {35 * rank + 35}\) of the padded flat\) by up to \S+ "
+                         r"at net\.0\.\w+\[\d+\]", message), message
     assert "It is N = 3 times the mean" in message and "divide by the world size" in message, message
 
 
 def test_another_ranks_part_is_named():
-    with pytest.raises(AssertionError, match=r"rank 0: bucket 0 .*It is rank 1's part: rank r keeps elements"):
+    with pytest.raises(AssertionError, match=r"rank 0: the flat of unit 'net\.0' .*It is rank 1's part: rank r "
+                                             r"keeps elements"):
         checks.check_zero_gradients(_NextRanksPart, world_sizes=(2,))
 
 
@@ -308,14 +322,14 @@ def test_right_gradients_by_an_all_reduce_fail_the_technique():
     with pytest.raises(AssertionError) as info:
         checks.check_zero_memory(_AllReduced, world_sizes=(2,))
     message = str(info.value)
-    assert "bucket 0 (net.4.bias, net.4.weight, net.2.bias: 71 elements padded to 72, 36 per rank) was all-reduced " \
-           "(an all-reduce of 288 B, 288 B sent)" in message, message
+    assert "the flat of unit 'net.4' (net.4.weight, net.4.bias: 60 elements, 30 per rank) was all-reduced " \
+           "(an all-reduce of 240 B, 240 B sent)" in message, message
     with pytest.raises(AssertionError) as info:
         checks.check_zero_traffic(_AllReduced, world_sizes=(2,))
     message = str(info.value)
-    assert "backward should make one reduce-scatter per bucket, of its padded flat gradient (288 B, 576 B, 416 B)" \
+    assert "backward should make one reduce-scatter per flat, of its padded gradient (240 B, 416 B, 616 B)" \
            in message, message
-    assert "rank 0 sent 1920 B in step 1; a stage-2 step sends 2 · (N-1)/N · Ψ · 4 = 2 · 1/2 · 320 · 4 = 1280 B" \
+    assert "rank 0 sent 1908 B in step 1; a stage-2 step sends 2 · (N-1)/N · Ψ · 4 = 2 · 1/2 · 318 · 4 = 1272 B" \
            in message, message
 
 
@@ -325,8 +339,8 @@ def test_stage_1_keeps_every_gradient_and_fails_only_the_memory_check():
     with pytest.raises(AssertionError) as info:
         checks.check_zero_memory(_Stage1, world_sizes=(2,))
     message = str(info.value)
-    assert "bucket 0 (net.4.bias, net.4.weight, net.2.bias: 71 elements padded to 72, 36 per rank) had all its " \
-           "gradients after 3 of the 6 gradients, but by the end of that hook only 0 reduce-scatter(s) had started" \
+    assert "the flat of unit 'net.4' (net.4.weight, net.4.bias: 60 elements, 30 per rank) had all its gradients " \
+           "after 2 of the 6 gradients, but by the end of that hook only 0 reduce-scatter(s) had started" \
            in message, message
     assert "backward ends). The most .grad bytes alive at once were 1272 B; the whole model's gradient is 1272 B" \
         in message, message
@@ -336,18 +350,17 @@ def test_gradients_left_in_grad_are_named_with_their_bytes():
     with pytest.raises(AssertionError) as info:
         checks.check_zero_memory(_KeepsTheGrad, world_sizes=(2,))
     message = str(info.value)
-    assert "after the hook that completed bucket 0 (net.4.bias, net.4.weight, net.2.bias: 71 elements padded to 72, " \
-           "36 per rank), its gradient(s) 'net.4.bias' (20 B), 'net.4.weight' (220 B), 'net.2.bias' (44 B) were " \
-           "still in .grad" in message, message
+    assert "after the hook that completed the flat of unit 'net.4' (net.4.weight, net.4.bias: 60 elements, 30 per " \
+           "rank), its gradient(s) 'net.4.weight' (220 B), 'net.4.bias' (20 B) were still in .grad" in message, message
 
 
 @pytest.mark.parametrize("cls, complaint", [
-    (_KeepsABuffer, r"the wrapper still holds a tensor of 72 elements \(288 B\) at self\.buckets\[0\]\.gradient: the "
-                    r"size of bucket 0 \(.*\)'s whole gradient"),
-    (_ShardIsAView, r"bucket 0 \(.*\): shard\.grad has 36 elements on a storage of 288 B, but rank \d keeps only its "
-                    r"part: 36 elements, 144 B"),
+    (_KeepsABuffer, r"the wrapper still holds a tensor of 104 elements \(416 B\) at self\.units\[0\]\.flats\[0\]\."
+                    r"bucket: the size of the flat of unit 'net\.0' \(.*\)'s whole gradient"),
+    (_PartIsAView, r"the flat of unit 'net\.0' \(.*\): flat\.grad has 52 elements on a storage of 416 B, but rank \d "
+                   r"keeps only its part: 52 elements, 208 B"),
 ])
-def test_a_whole_bucket_kept_anywhere_fails(cls, complaint):
+def test_a_whole_flat_kept_anywhere_fails(cls, complaint):
     checks.check_zero_gradients(cls, world_sizes=(2,))
     with pytest.raises(AssertionError, match=complaint):
         checks.check_zero_memory(cls, world_sizes=(2,))
@@ -360,34 +373,44 @@ def test_a_missing_all_gather_is_named():
     with pytest.raises(AssertionError) as info:
         checks.check_zero_parity(_NoAllGather, world_sizes=(2,))
     message = str(info.value)
-    assert "with SGD (lr 0.1, momentum 0.9): after step 1, parameter 'net.4.bias' (5,) differs from one process" \
-           in message, message
-    assert "No parameter of bucket 0 (net.4.bias, net.4.weight, net.2.bias: 71 elements padded to 72, 36 per rank) " \
-           "changed in this step" in message, message
+    assert "with SGD (lr 0.1, momentum 0.9): after step 1, parameter 'net.0.weight' (13, 7) differs from one " \
+           "process" in message, message
+    assert "Only this rank's part of the flat of unit 'net.0' (net.0.weight, net.0.bias: 104 elements, 52 per rank) " \
+           "(elements [0, 52)) was updated: all-gather" in message, message
     with pytest.raises(AssertionError, match=r"step\(\) sent nothing: after self\.optimizer\.step\(\)"):
         checks.check_zero_traffic(_NoAllGather, world_sizes=(2,))
 
 
+def test_a_master_without_its_gradient_is_named():
+    with pytest.raises(AssertionError) as info:
+        checks.check_zero_parity(_NoMasterGradient, world_sizes=(2,))
+    message = str(info.value)
+    assert "No parameter of the flat of unit 'net.0' (net.0.weight, net.0.bias: 104 elements, 52 per rank) changed " \
+           "in this step: the optimizer steps flat.master (this rank's part of flat.full) with the gradient you put " \
+           "in flat.master.grad" in message, message
+
+
 def test_updating_only_this_ranks_part_is_named():
-    with pytest.raises(AssertionError, match=r"Only this rank's part of bucket \d .* was updated: all-gather"):
+    with pytest.raises(AssertionError, match=r"Only this rank's part of the flat of unit 'net\.\d' .* was updated: "
+                                             r"all-gather"):
         checks.check_zero_parity(_OwnPartOnly, world_sizes=(2,))
 
 
-ACCUMULATES = ("after step 2, parameter 'net.4.bias' (5,) differs from one process trained on the whole batch by "
-               "up to 0.0114 (tolerance 1e-05), at element 2. The parameters moved exactly as one process's do when "
-               "its gradients are never cleared: step 2 stepped with the sum of the gradients of steps 1 to 2, not "
-               "with step 2's alone. Your gradients accumulate across steps")
+ACCUMULATES = ("after step 2, parameter 'net.0.weight' (13, 7) differs from one process trained on the whole batch "
+               "by up to 0.00576 (tolerance 1e-05), at element 70. The parameters moved exactly as one process's do "
+               "when its gradients are never cleared: step 2 stepped with the sum of the gradients of steps 1 to 2, "
+               "not with step 2's alone. Your gradients accumulate across steps")
 
 
 @pytest.mark.parametrize("cls, where", [
     # the parameters' .grad never dropped: the next backward adds to them
     (_KeepsTheGrad, "After step(), the parameters 'net.0.weight', 'net.0.bias', 'net.2.weight', 'net.2.bias', ... "
-                    "(6 in all) still had a .grad, which the next backward added to: in grad_ready, set each "
-                    "parameter's .grad to None once it is copied into its bucket's flat gradient for the "
-                    "reduce-scatter"),
-    # shard.grad added to, and never cleared after the step
-    (_AddsToTheShardGrad, "After step(), bucket.shard.grad was still set for bucket(s) 0, 1, 2: clear the shards' "
-                          "gradients once self.optimizer.step() has used them (self.optimizer.zero_grad())"),
+                    "(6 in all) still had a .grad, which the next backward added to: in _grad_ready, move the flat's "
+                    "gradients out with flat.gradient_bucket, which sets each .grad to None"),
+    # flat.grad added to, and the masters' gradient never set back
+    (_AddsToTheGrad, "After step(), flat.master.grad was still set for flat(s) 0, 1, 2: set it back to None once "
+                     "self.optimizer.step() has used it, and make flat.grad the reduce-scatter's output divided by N "
+                     "rather than adding that to the old one"),
 ])
 def test_gradients_that_accumulate_across_steps_are_named_as_such(cls, where):
     checks.check_zero_gradients(cls, world_sizes=(2,))          # one backward is right
@@ -404,7 +427,8 @@ def test_a_step_wrong_in_itself_is_still_sent_to_step():
         checks.check_zero_parity(_ForgetsTheOptimizer, world_sizes=(2,))
     message = str(info.value)
     assert "with SGD (lr 0.1, momentum 0.9): after step 2, parameter" in message, message
-    assert "if check_zero_gradients passes, look at step())" in message and "accumulate" not in message, message
+    assert "if check_zero_gradients passes, look at step(): the masters' gradients, the optimizer and its states" \
+        in message and "accumulate" not in message, message
 
 
 def test_right_parameters_by_an_all_reduce_fail_the_traffic_check():
@@ -413,15 +437,15 @@ def test_right_parameters_by_an_all_reduce_fail_the_traffic_check():
         checks.check_zero_traffic(_AllReducesParameters, world_sizes=(5,))
     message = str(info.value)
     assert "step() all-reduced the parameters" in message, message
-    assert "rank 0 sent 3120 B in step 1; a stage-2 step sends 2 · (N-1)/N · Ψ · 4 = 2 · 4/5 · 325 · 4 = 2080 B " \
-           "(1040 B in reduce-scatters during backward, 1040 B in all-gathers in step(); Ψ = 325 elements, padding " \
-           "included). Yours: backward: reduce-scatter of 300 B, 240 B sent," in message, message
+    assert "rank 0 sent 3072 B in step 1; a stage-2 step sends 2 · (N-1)/N · Ψ · 4 = 2 · 4/5 · 320 · 4 = 2048 B " \
+           "(1024 B in reduce-scatters during backward, 1024 B in all-gathers in step(); Ψ = 320 elements, padding " \
+           "included). Yours: backward: reduce-scatter of 240 B, 192 B sent," in message, message
 
 
 def test_an_optimizer_on_the_whole_model_is_refused():
-    with pytest.raises(AssertionError, match=r"the optimizer was built 2 time\(s\), and given 9 tensor\(s\) of 36, 72, "
-                                             r"52, 91, 13, 143, 11, 55, \.\.\. elements \(478 in all\); stage 2 builds one optimizer, on this rank's shards "
-                                             r"only: 3 tensors of 160 elements"):
+    with pytest.raises(AssertionError, match=r"the optimizer was built 2 time\(s\), and given 9 tensor\(s\) of 52, 77, "
+                                             r"30, 91, 13, 143, 11, 55, \.\.\. elements \(477 in all\); stage 2 builds "
+                                             r"one optimizer, on this rank's parts only: 3 masters of 159 elements"):
         checks.check_zero_traffic(_WholeModelOptimizer, world_sizes=(2,))
 
 
@@ -449,6 +473,9 @@ def test_the_course_answer_is_refused():
     with pytest.raises(AssertionError, match=r"building the wrapper: rank \d raised ReferenceRefused: "
                                              r"dtcourse\.zero\.sharded\.ZeRO is the course's own answer to exercise 06"):
         checks.check_zero_parity(_BuildsTheCourses)
+    with pytest.raises(AssertionError, match=r"backward: rank \d raised ReferenceRefused: dtcourse\.zero\.sharded\.ZeRO\."
+                                             r"_grad_ready is the course's own answer to exercise 06"):
+        checks.check_zero_gradients(_CallsTheCoursesMethods)
 
 
 def test_bad_arguments_are_refused_before_anything_runs():
