@@ -41,15 +41,13 @@ def _answer(**edits: list[tuple[str, str]]) -> tuple:
 
 SOLUTION = _answer()
 _SAVE = solution_code(NAME)["save"]
-_WRITE = _SAVE[_SAVE.index("    with open(tmp"):].rstrip()        # the write and the rename, to the cell's end
+_WRITE = _SAVE[_SAVE.index("    with open(tmp"):_SAVE.index("\n", _SAVE.index("    os.replace(tmp, path)"))]  # write, rename
 
 # --------------------------------------------------------------------------- #
 # Wrong answers, each a student's plausible mistake (a line or two of the solution changed)
 # --------------------------------------------------------------------------- #
-NO_GENERATORS = _answer(load=[('    random.setstate(state["rng"]["python"])\n', ""),
-                              ('    np.random.set_state(state["rng"]["numpy"])\n', ""),
-                              ('    torch.set_rng_state(state["rng"]["torch"])\n', "")])
-NO_NUMPY = _answer(load=[('    np.random.set_state(state["rng"]["numpy"])\n', "")])
+NO_GENERATORS = _answer(load=[('    set_rng_state(state["rng"])\n', "")])
+NO_NUMPY = _answer(load=[('    np.random.set_state(state["numpy"])\n', "")])
 NO_OPTIMIZER = _answer(load=[('    optimizer.load_state_dict(state["optimizer"])\n', "")])
 PLUS_ONE = _answer(load=[('return state["step"]', 'return state["step"] + 1')])
 MINUS_ONE = _answer(load=[('return state["step"]', 'return state["step"] - 1')])
@@ -66,16 +64,14 @@ SLOW_SAVES_BUT_RANK_0 = _answer(save=[("    tmp = path.with_name", "    import t
                                                                "    if dist.get_rank() != 0:\n"
                                                                "        __import__('time').sleep(0.5)\n"
                                                                "    tmp = path.with_name")])
-IN_PLACE = _answer(save=[(_WRITE, "    torch.save(state, path)")])
+IN_PLACE = _answer(save=[("    atomic_write(path, buffer.getvalue())", "    path.write_bytes(buffer.getvalue())")])
 ANOTHER_DIRECTORY = _answer(save=[('path.with_name(f".{path.name}.tmp-{os.getpid()}")',
                                    'Path(__import__("tempfile").mkdtemp()) / path.name')])
 DELETES_FIRST = _answer(save=[("    tmp = path.with_name",
                                 "    path.unlink(missing_ok=True)\n    tmp = path.with_name")])
-SWALLOWS_ERRORS = _answer(save=[(_WRITE, "    try:\n        torch.save(state, tmp)\n        os.replace(tmp, path)\n"
+SWALLOWS_ERRORS = _answer(save=[(_WRITE, "    try:\n        tmp.write_bytes(data)\n        os.replace(tmp, path)\n"
                                          "    except Exception:\n        pass")])
-RENAMES_BEFORE_CLOSING = _answer(save=[(_WRITE, "    buffer = __import__('io').BytesIO()\n"
-                                                "    torch.save(state, buffer)\n    data = buffer.getvalue()\n"
-                                                "    with open(tmp, 'wb') as f:\n        f.write(data[:-100])\n"
+RENAMES_BEFORE_CLOSING = _answer(save=[(_WRITE, "    with open(tmp, 'wb') as f:\n        f.write(data[:-100])\n"
                                                 "        f.write(data[-100:])\n        os.replace(tmp, path)")])
 WITH_GRADIENTS = _answer(save=[('        "step": step,', '        "step": step,\n'
                                                         '        "grads": [p.grad for p in model.parameters()],')])
@@ -86,9 +82,7 @@ WAITS_FOR_RANK_0 = _answer(save=[("    tmp = path.with_name", "    import torch.
                                                           "    if dist.get_rank() == 0:\n        dist.barrier()\n"
                                                           "    tmp = path.with_name")])
 USES_THE_COURSE_WRITER = _answer(save=[(_WRITE, "    from dtcourse.fault_tolerance.snapshot import _atomic_write\n"
-                                                "    buffer = __import__('io').BytesIO()\n"
-                                                "    torch.save(state, buffer)\n"
-                                                "    _atomic_write(path, buffer.getvalue())")])
+                                                "    _atomic_write(path, data)")])
 CALLS_THE_COURSE = _answer(save=[('    state = {\n', '    from dtcourse.fault_tolerance import rng_state\n'
                                                   '    generators = rng_state()\n    state = {\n')])
 
@@ -104,7 +98,7 @@ def course_save(path, step, model, optimizer):
 def test_released_notebook_hides_the_answer_and_gives_the_scaffolding():
     assert_released(NAME, absent=["os.replace(tmp, path)", "np.random.set_state(", "optimizer.load_state_dict(",
                                   'cases=("large",)'],
-                    stubs={"save": 1, "load": 1},
+                    stubs={"save": 3, "load": 2},
                     given={"save": ["def save_snapshot(path: Path, step: int, model: nn.Module, optimizer: "
                                     "torch.optim.Optimizer) -> None:"],
                            "load": ["def load_snapshot(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) "
