@@ -148,8 +148,12 @@ def checkpoint(fn, x):
 def test_released_notebook_hides_the_answer_and_keeps_the_given_parts():
     assert_released(NAME, absent=["set_rng_state", 'cases=("dropout"', "segments=(2, 4, 6)"],
                     stubs={"segment_bounds": 1, "checkpoint": 1, "checkpointed_sequential": 1},
-                    given={"checkpointed_sequential": ["def run_layers",
-                                                       "self.bounds = segment_bounds(len(self), segments)"]})
+                    given={"checkpointed_sequential": ["def _run_layers(layers: list[nn.Module], x: torch.Tensor)",
+                                                       "def checkpoint_sequential(layers: nn.Sequential | "
+                                                       "list[nn.Module], segments: int, x: torch.Tensor)",
+                                                       "class CheckpointedSequential(nn.Sequential):",
+                                                       "self.segments = segments",
+                                                       "return checkpoint_sequential(self, self.segments, x)"]})
 
 
 # --------------------------------------------------------------------------- #

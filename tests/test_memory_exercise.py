@@ -33,9 +33,9 @@ def model_state_bytes(sizes, optimizer, mixed):
     n_tensors = 2 * (len(sizes) - 1)
     per_param = {"sgd": 0, "sgd_momentum": 4, "adam": 8, "adamw": 8, "adagrad": 4}[optimizer]
     per_tensor = {"sgd": 0, "sgd_momentum": 0, "adam": 4, "adamw": 4, "adagrad": 4}[optimizer]
-    return {"params": 4 * n_params, "grads": (2 if mixed else 4) * n_params,
-            "master_weights": 4 * n_params if mixed else 0,
-            "optimizer_states": per_param * n_params + per_tensor * n_tensors}
+    master = 4 * n_params if mixed else 0
+    return {"params": 4 * n_params, "grads": (2 if mixed else 4) * n_params, "master_weights": master,
+            "optimizer_states": master + per_param * n_params + per_tensor * n_tensors}
 '''
 # GELU treated like ReLU: its input is saved as well as its output, and this forgets the input.
 GELU_LIKE_RELU = '''
@@ -79,6 +79,7 @@ def model_state_bytes(sizes, optimizer, mixed):
         total["grads"] += numel * working.itemsize
         if mixed:
             total["master_weights"] += numel * torch.float32.itemsize
+            total["optimizer_states"] += numel * torch.float32.itemsize     # ZeRO's K holds the masters
         for state in STATES[optimizer]:
             total["optimizer_states"] += (1 if state == "step" else numel) * torch.float32.itemsize
     return total
@@ -143,14 +144,17 @@ def test_ignoring_the_dtype_misses_the_point_and_scores_under_half(tmp_path):
     answers = {"model_state_bytes": DTYPE_BLIND_STATES, "activation_bytes": DTYPE_BLIND_ACTIVATIONS}
     report = grade_answers(NAME, tmp_path, answers)
     result = by_id(report)
-    assert failed(report) == ["check_params", "check_grads", "check_master_weights", "check_activations",
-                              "check_activations_hidden"], str(report)
-    assert report.score == 4 < POINTS / 2, str(report)          # the optimizer states alone: fp32 either way
+    assert failed(report) == ["check_params", "check_grads", "check_master_weights", "check_optimizer_states",
+                              "check_optimizer_states_hidden", "check_activations", "check_activations_hidden"], \
+        str(report)
+    assert report.score == 0 < POINTS / 2, str(report)          # optimizer_states holds the masters: wrong too
     for grade_id, named in [("check_params", "you counted the 16-bit working copy at fp32's 4 bytes a parameter"),
                             ("check_grads", "you counted the gradients in fp32: backward writes them in the working "
                                             "copy's dtype"),
                             ("check_master_weights", "you counted no master weights: mixed precision keeps an "
                                                      "fp32 master copy of every parameter"),
+                            ("check_optimizer_states", "you left out the master weights: in mixed precision "
+                                                       "the optimizer steps an fp32 master copy"),
                             ("check_activations", "you count 4 bytes an element: in mixed precision every saved "
                                                   "tensor is 16-bit")]:
         message = result[grade_id].message
@@ -212,7 +216,8 @@ def _n_tensors(sizes) -> int:
 
 @pytest.mark.parametrize("kind, change, cases, where, named", [
     # momentum in bf16, like the working copy
-    ("optimizer_states", lambda sizes, opt, mixed, right: right // 2 if mixed and opt == "sgd_momentum" else right,
+    ("optimizer_states", lambda sizes, opt, mixed, right: (right - 2 * _n_params(sizes)
+                                                           if mixed and opt == "sgd_momentum" else right),
      ("mixed",), "'sgd_momentum'", r"you counted the states at 2 bytes, the working copy's 16 bits"),
     # momentum forgotten
     ("optimizer_states", lambda sizes, opt, mixed, right: 0 if opt == "sgd_momentum" else right, ("fp32",),
@@ -253,19 +258,20 @@ def test_common_activation_mistakes_are_named():
         check_activations(no_input, cases=("relu",))
 
 
-def test_master_weights_counted_twice_are_named_in_the_optimizer_states():
+def test_master_weights_left_out_of_the_optimizer_states_are_named():
     answers = _solution()
 
-    def master_inside(sizes, optimizer, mixed):
+    def master_outside(sizes, optimizer, mixed):
         states = answers["model_state_bytes"](sizes, optimizer, mixed)
-        states["optimizer_states"] += states["master_weights"]        # ZeRO's K, but here a kind of its own
+        states["optimizer_states"] -= states["master_weights"]        # what optimizer.state holds, not ZeRO's K
         return states
 
-    check_model_states(master_inside, "optimizer_states", cases=("fp32",))
-    with pytest.raises(AssertionError, match=r"'sgd': you predicted 3,668 bytes, the measured step holds 0; "
-                                             r"yours is 3,668 too high, which is 4 bytes per parameter\. .*leave "
-                                             r"the master weights out"):
-        check_model_states(master_inside, "optimizer_states", cases=("mixed",))
+    check_model_states(master_outside, "optimizer_states", cases=("fp32",))
+    with pytest.raises(AssertionError, match=r"'sgd': you predicted 0 bytes, the measured step holds 3,668; "
+                                             r"yours is 3,668 too low, which is 4 bytes per parameter\. .*you left "
+                                             r"out the master weights: in mixed precision the optimizer steps an "
+                                             r"fp32 master copy"):
+        check_model_states(master_outside, "optimizer_states", cases=("mixed",))
 
 
 @pytest.mark.parametrize("answer, complaint", [
@@ -295,15 +301,13 @@ def measured_states(sizes, optimizer, mixed):
                   "adam": torch.optim.Adam}
     step = measure_step(MLP(sizes), regression_batch(4, sizes[0], sizes[-1]), torch.nn.functional.mse_loss,
                         optimizers[optimizer], mixed_dtype=torch.bfloat16 if mixed else None)
-    return {"params": step.params, "grads": step.grads, "master_weights": step.master_weights,
-            "optimizer_states": step.optimizer_states - step.master_weights}
+    return {kind: getattr(step, kind) for kind in ("params", "grads", "master_weights", "optimizer_states")}
 
 
 def predicted_states(sizes, optimizer, mixed):
     """Asks the course's predict_step."""
     step = predict_step(MLP(sizes), optimizer=optimizer, mixed=mixed)
-    return {"params": step.params, "grads": step.grads, "master_weights": step.master_weights,
-            "optimizer_states": step.optimizer_states - step.master_weights}
+    return {kind: getattr(step, kind) for kind in ("params", "grads", "master_weights", "optimizer_states")}
 
 
 def saved_activations(sizes, batch_size, activation, mixed):

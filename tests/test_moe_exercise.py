@@ -46,7 +46,8 @@ def _answer(**edits: list[tuple[str, str]]) -> dict:
 
 
 SOLUTION = _answer()
-positions_in_expert, dispatch, combine = (SOLUTION[n] for n in ("positions_in_expert", "dispatch", "combine"))
+positions_in_expert, dispatch, combine = (SOLUTION[n] for n in ("positions_in_expert", "dispatch_padded",
+                                                                   "combine_padded"))
 
 
 def positions_by_loop(experts, n_expert):
@@ -131,9 +132,9 @@ def test_released_notebook_hides_the_answer_and_gives_the_scaffolding():
                     stubs={"positions": 1, "dispatch": 1, "combine": 1},
                     given={"positions": ["def positions_in_expert(experts: torch.Tensor, n_expert: int) -> "
                                          "torch.Tensor:"],
-                           "dispatch": ["def dispatch(tokens: torch.Tensor, routing: Routing, n_expert: int, "
+                           "dispatch": ["def dispatch_padded(tokens: torch.Tensor, routing: Routing, n_expert: int, "
                                         "group: dist.ProcessGroup | None) -> torch.Tensor:"],
-                           "combine": ["def combine(outputs: torch.Tensor, routing: Routing, group: "
+                           "combine": ["def combine_padded(outputs: torch.Tensor, routing: Routing, group: "
                                        "dist.ProcessGroup | None) -> torch.Tensor:"],
                            "setup": ["from dtcourse.models.moe import Routing, capacity",
                                      "from dtcourse.moe import all_to_all"]})
@@ -238,12 +239,12 @@ def test_wrong_positions_are_named_inside_the_layer_too():
 ])
 def test_a_dispatch_that_sends_the_wrong_rows_or_too_many_is_named(ns, complaint):
     with pytest.raises(AssertionError, match=complaint):
-        checks.check_moe_dispatch(ns["dispatch"])
+        checks.check_moe_dispatch(ns["dispatch_padded"])
 
 
 def test_an_all_to_all_on_the_default_group_is_named_even_where_the_rows_agree():
     with pytest.raises(AssertionError) as info:
-        checks.check_moe_dispatch(DEFAULT_GROUP["dispatch"])
+        checks.check_moe_dispatch(DEFAULT_GROUP["dispatch_padded"])
     message = str(info.value)
     assert "rank 0: dispatch's forward started an all-to-all on the default group (all 2 ranks) sending rows [6, 6] " \
            "of 32 B to the ranks; expected one all-to-all on the group" in message, message
@@ -254,7 +255,7 @@ def test_an_all_to_all_on_the_default_group_is_named_even_where_the_rows_agree()
                                              r"\[0, 1\] and \[2, 3\], E = 2, top-1.*: rank \d raised RuntimeError: "
                                              r"Number of tensor splits not equal to group size\n.*\n    hint: a "
                                              r"collective ran on another process group than the one passed in"):
-        checks.check_moe_dispatch(DEFAULT_GROUP["dispatch"], cases=("large",))
+        checks.check_moe_dispatch(DEFAULT_GROUP["dispatch_padded"], cases=("large",))
 
 
 def test_a_dropped_choice_past_the_buffer_names_the_capacity():
@@ -265,7 +266,7 @@ def test_a_dropped_choice_past_the_buffer_names_the_capacity():
                                              r"C = 6 slots, so 2 choices, at positions 6 to 7, are past C, and token "
                                              r"10's choice 0, at position 6, has row expert·C \+ position = 12, past "
                                              r"the buffer's E·C = 12 rows.*kept = position < C"):
-        checks.check_moe_dispatch(DROPPED_SENT["dispatch"], cases=("large",))
+        checks.check_moe_dispatch(DROPPED_SENT["dispatch_padded"], cases=("large",))
 
 
 # --------------------------------------------------------------------------- #
@@ -287,7 +288,7 @@ def test_a_dropped_choice_past_the_buffer_names_the_capacity():
 ])
 def test_a_combine_that_adds_the_wrong_outputs_is_named_by_token_and_tensor(ns, complaint):
     with pytest.raises(AssertionError, match=complaint):
-        checks.check_moe_combine(positions_in_expert, dispatch, ns["combine"])
+        checks.check_moe_combine(positions_in_expert, dispatch, ns["combine_padded"])
 
 
 @pytest.mark.parametrize("ns, complaint", [
@@ -302,7 +303,7 @@ def test_a_combine_that_adds_the_wrong_outputs_is_named_by_token_and_tensor(ns, 
 ])
 def test_the_layer_names_a_dispatch_past_the_capacity(ns, complaint):
     with pytest.raises(AssertionError, match=complaint):
-        checks.check_moe_combine(positions_in_expert, ns["dispatch"], combine)
+        checks.check_moe_combine(positions_in_expert, ns["dispatch_padded"], combine)
 
 
 # --------------------------------------------------------------------------- #
@@ -322,9 +323,9 @@ def test_a_hint_every_rank_repeats_is_printed_once(check, ns, shown):
     """Each rank makes the same mistake: its hint once, on rank 0's line; rank 1's points back to it."""
     with pytest.raises(AssertionError) as info:
         if check == "check_moe_dispatch":
-            checks.check_moe_dispatch(ns["dispatch"])
+            checks.check_moe_dispatch(ns["dispatch_padded"])
         else:
-            checks.check_moe_combine(ns["positions_in_expert"], ns["dispatch"], ns["combine"])
+            checks.check_moe_combine(ns["positions_in_expert"], ns["dispatch_padded"], ns["combine_padded"])
     message = str(info.value)
     assert "is wrong on 2 ranks in ep = 2 on 2 ranks" in message and "\n  rank 1: " in message, message
     rank0, rank1 = message.split("\n  rank 1: ")
@@ -343,9 +344,9 @@ def test_a_hint_every_rank_repeats_is_printed_once(check, ns, shown):
 def test_a_deadlock_fails_after_the_timeout_and_names_where():
     start = time.monotonic()
     with pytest.raises(AssertionError) as info:
-        checks.check_moe_dispatch(DEADLOCK["dispatch"], timeout=3)
+        checks.check_moe_dispatch(DEADLOCK["dispatch_padded"], timeout=3)
     message = str(info.value)
-    assert "dispatch did not finish on 2 ranks within 3 s" in message, message
+    assert "dispatch_padded did not finish on 2 ranks within 3 s" in message, message
     assert "dispatch's forward" in message and "most likely a deadlock" in message, message
     assert time.monotonic() - start < 20
 
@@ -359,10 +360,10 @@ def test_the_course_functions_are_refused():
         checks.check_moe_combine(positions_in_expert, dispatch, library.combine_padded)
     with pytest.raises(AssertionError, match=r"rank \d raised ReferenceRefused: dtcourse\.moe\.dispatch\.dispatch_padded "
                                              r"is the course's own answer to exercise 11"):
-        checks.check_moe_dispatch(CALLS_THE_COURSE["dispatch"])
+        checks.check_moe_dispatch(CALLS_THE_COURSE["dispatch_padded"])
     with pytest.raises(AssertionError, match=r"rank \d raised ReferenceRefused: dtcourse\.moe\.dispatch\._add_up is the "
                                              r"course's own answer to exercise 11"):
-        checks.check_moe_combine(positions_in_expert, dispatch, CALLS_ITS_HELPER["combine"])
+        checks.check_moe_combine(positions_in_expert, dispatch, CALLS_ITS_HELPER["combine_padded"])
 
 
 def test_bad_arguments_are_refused_before_anything_runs():

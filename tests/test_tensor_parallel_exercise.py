@@ -42,7 +42,7 @@ def _answer(**edits: list[tuple[str, str]]) -> dict:
 
 
 SOLUTION = _answer()
-f, g = SOLUTION["f"], SOLUTION["g"]
+f, g = SOLUTION["copy_to_tensor_parallel"], SOLUTION["reduce_from_tensor_parallel"]
 ColumnParallelLinear, RowParallelLinear = SOLUTION["ColumnParallelLinear"], SOLUTION["RowParallelLinear"]
 
 # --------------------------------------------------------------------------- #
@@ -77,15 +77,16 @@ GATHERS_THE_OUTPUT = _answer(column=[("        return F.linear(x, self.weight, s
                                       "        return torch.cat(parts, dim=-1)")])
 GLOBAL_RANK = _answer(column=[("t, r = dist.get_world_size(group), dist.get_rank(group)",
                                "t, r = dist.get_world_size(group), dist.get_rank()")])
-BIAS_ON_EVERY_RANK = _answer(row=[("return g(partial, self.group) + self.bias",
-                                   "return g(partial + self.bias, self.group)")])
+BIAS_ON_EVERY_RANK = _answer(row=[("        y = F.linear(x, self.weight)  #",
+                                   "        y = F.linear(x, self.weight, self.bias)  #"),
+                                  ("        return y + self.bias  #", "        return y  #")])
 NO_VALUE_ERROR = _answer(row=[("if full.in_features % t:", "if False:")])
 DEADLOCK = _answer(f_and_g=[("        dist.all_reduce(x, group=group)", "        if dist.get_rank(group) == 0:\n"
                                                                         "            dist.all_reduce(x, group=group)")])
-CALLS_THE_COURSE = _answer(column=[("        x = f(x, self.group)",
+CALLS_THE_COURSE = _answer(column=[("        x = copy_to_tensor_parallel(x, self.group)",
                                     "        from dtcourse.tensor_parallel import copy_to_tensor_parallel\n"
                                     "        x = copy_to_tensor_parallel(x, self.group)")])
-CALLS_ITS_FUNCTION = _answer(f_and_g=[("    return CopyToTensorParallel.apply(x, group)",
+CALLS_ITS_FUNCTION = _answer(f_and_g=[("    return _CopyToTensorParallel.apply(x, group)",
                                        "    from dtcourse.tensor_parallel.communications import _CopyToTensorParallel\n"
                                        "    return _CopyToTensorParallel.apply(x, group)")])
 
@@ -98,16 +99,18 @@ class CourseColumn(layers.ColumnParallelLinear):
 # The released notebook, the solution, and the course's own layers
 # --------------------------------------------------------------------------- #
 def test_released_notebook_hides_the_answer_and_gives_the_scaffolding():
-    assert_released(NAME, absent=["dist.all_reduce(grad, group=ctx.group)", "g(partial, self.group) + self.bias",
+    assert_released(NAME, absent=["dist.all_reduce(grad, group=ctx.group)", "y = reduce_from_tensor_parallel(y, self.group)",
                                   "full.weight.detach()[r * n:(r + 1) * n].clone()", 'cases=("large",)'],
                     stubs={"f_and_g": 4, "column": 2, "row": 2},
-                    given={"f_and_g": ["class CopyToTensorParallel(torch.autograd.Function):",
+                    given={"f_and_g": ["class _CopyToTensorParallel(torch.autograd.Function):",
                                        "def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup | None) -> "
                                        "torch.Tensor:",
                                        "def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:",
-                                       "class ReduceFromTensorParallel(torch.autograd.Function):",
-                                       "    return CopyToTensorParallel.apply(x, group)",
-                                       "    return ReduceFromTensorParallel.apply(x, group)"],
+                                       "class _ReduceFromTensorParallel(torch.autograd.Function):",
+                                       "def copy_to_tensor_parallel(x: torch.Tensor, group",
+                                       "    return _CopyToTensorParallel.apply(x, group)",
+                                       "def reduce_from_tensor_parallel(x: torch.Tensor, group",
+                                       "    return _ReduceFromTensorParallel.apply(x, group)"],
                            "column": ["class ColumnParallelLinear(nn.Module):",
                                       "def __init__(self, full: nn.Linear, group: dist.ProcessGroup | None):",
                                       "self.group = group", "def forward(self, x: torch.Tensor) -> torch.Tensor:"],
@@ -140,7 +143,7 @@ def test_the_course_layers_and_operators_are_listed_and_still_read_as_themselves
 def test_f_without_its_all_reduce_leaves_a_partial_input_gradient():
     ns = F_WITHOUT_ALL_REDUCE
     with pytest.raises(AssertionError) as info:
-        checks.check_f_and_g(ns["f"], ns["g"])
+        checks.check_f_and_g(ns["copy_to_tensor_parallel"], ns["reduce_from_tensor_parallel"])
     message = str(info.value)
     assert "the pair f, g is wrong on 2 ranks in t = 2 on 2 ranks:" in message, message
     assert "rank 0: x.grad after f's backward differs from the sum of the group's gradients by up to " in message
@@ -165,7 +168,7 @@ def test_g_that_all_reduces_in_backward_too_makes_gradients_t_times_too_big():
                                              r"layer's: g's backward all-reduced.*\n  rank 1: x\.grad after g's "
                                              r"backward differs .*: it is t times the serial layer's \(the same as "
                                              r"rank 0's, above\)$"):
-        checks.check_f_and_g(ns["f"], ns["g"])
+        checks.check_f_and_g(ns["copy_to_tensor_parallel"], ns["reduce_from_tensor_parallel"])
     checks.check_column_parallel(ns["ColumnParallelLinear"])       # the column layer has no g
     with pytest.raises(AssertionError) as info:
         checks.check_row_parallel(ns["RowParallelLinear"])
@@ -182,7 +185,7 @@ def test_g_that_all_reduces_in_backward_too_makes_gradients_t_times_too_big():
 def test_right_numbers_with_an_all_reduce_in_f_forward_fail_on_traffic():
     ns = F_FORWARD_ALL_REDUCES
     with pytest.raises(AssertionError) as info:
-        checks.check_f_and_g(ns["f"], ns["g"])
+        checks.check_f_and_g(ns["copy_to_tensor_parallel"], ns["reduce_from_tensor_parallel"])
     message = str(info.value)
     assert "rank 0: f's forward started an all-reduce of 144 B on the group; expected nothing: f is the identity " \
            "forward" in message, message
@@ -208,7 +211,7 @@ def test_an_all_reduce_on_the_default_group_is_named_even_where_the_sums_agree()
                                              r"  rank 0: \(group \[0, 1\], its rank 0\) x\.grad after f's backward "
                                              r"differs from the sum of the group's gradients .*\n"
                                              r"    hint: a collective ran on another process group"):
-        checks.check_f_and_g(ns["f"], ns["g"], cases=("large",))
+        checks.check_f_and_g(ns["copy_to_tensor_parallel"], ns["reduce_from_tensor_parallel"], cases=("large",))
 
 
 def _repeated_hints(message: str) -> list[str]:
@@ -231,7 +234,8 @@ def _repeated_hints(message: str) -> list[str]:
 ])
 def test_a_hint_every_rank_repeats_is_printed_once(ns, check, shown):
     """Each rank of the group makes the same mistake: the hint once, the later ranks pointing to rank 0's line."""
-    students = {"check_f_and_g": ("f", "g"), "check_column_parallel": ("ColumnParallelLinear",),
+    students = {"check_f_and_g": ("copy_to_tensor_parallel", "reduce_from_tensor_parallel"),
+                "check_column_parallel": ("ColumnParallelLinear",),
                 "check_row_parallel": ("RowParallelLinear",),
                 "check_parallel_mlp": ("ColumnParallelLinear", "RowParallelLinear")}[check]
     with pytest.raises(AssertionError) as info:
@@ -258,9 +262,9 @@ def test_hints_once_keeps_what_each_rank_found_and_distinct_hints():
 
 
 def test_g_that_all_reduces_its_input_in_place_is_named():
-    with pytest.raises(AssertionError, match=r"rank 0: g\(x, group\) changed its input x: dist\.all_reduce works in "
-                                             r"place, so all-reduce a copy"):
-        checks.check_f_and_g(IN_PLACE_G["f"], IN_PLACE_G["g"])
+    with pytest.raises(AssertionError, match=r"rank 0: reduce_from_tensor_parallel\(x, group\) \(g\) changed its "
+                                             r"input x: dist\.all_reduce works in place, so all-reduce a copy"):
+        checks.check_f_and_g(IN_PLACE_G["copy_to_tensor_parallel"], IN_PLACE_G["reduce_from_tensor_parallel"])
 
 
 # --------------------------------------------------------------------------- #
@@ -313,7 +317,7 @@ def test_the_row_layer_adds_its_bias_once_and_refuses_sizes_t_does_not_divide():
 def test_a_deadlock_fails_after_the_timeout_and_names_where():
     start = time.monotonic()
     with pytest.raises(AssertionError) as info:
-        checks.check_f_and_g(DEADLOCK["f"], DEADLOCK["g"], timeout=3)
+        checks.check_f_and_g(DEADLOCK["copy_to_tensor_parallel"], DEADLOCK["reduce_from_tensor_parallel"], timeout=3)
     message = str(info.value)
     assert "the pair f, g did not finish on 2 ranks within 3 s" in message, message
     assert "in t = 2 on 2 ranks, g's forward" in message and "most likely a deadlock" in message, message
@@ -335,7 +339,7 @@ def test_the_course_layers_and_operators_are_refused():
         checks.check_column_parallel(CALLS_THE_COURSE["ColumnParallelLinear"])
     with pytest.raises(AssertionError, match=r"rank \d raised ReferenceRefused: dtcourse\.tensor_parallel's f and g "
                                              r"are switched off"):
-        checks.check_f_and_g(CALLS_ITS_FUNCTION["f"], g)
+        checks.check_f_and_g(CALLS_ITS_FUNCTION["copy_to_tensor_parallel"], g)
 
 
 def test_bad_arguments_are_refused_before_anything_runs():

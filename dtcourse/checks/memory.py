@@ -1,18 +1,18 @@
 """Checks for exercise 00: a student's bytes of a training step, kind by kind, against ``dtcourse.memory``.
 
 ``check_model_states(fn, kind, cases)`` calls ``fn(sizes, optimizer, mixed)``, the student's
-prediction of an MLP's model states as a dict, and compares its ``kind`` entry ("params",
-"grads", "master_weights" or "optimizer_states") with what ``memory.measure_step`` counts on a
-real step of ``models.MLP(sizes)``. ``check_activations(fn, cases)`` does the same for
-``fn(sizes, batch_size, activation, mixed)``, the bytes autograd saves in the forward of an MLP
-with that activation. Each check runs the student's code in a child process and raises one
-AssertionError that names the case, the kind, the prediction, the measurement and the
-difference (per parameter or per tensor where it is a whole number of them)::
+prediction of an MLP's model states as a dict, and compares its ``kind`` entry with that field of
+the ``memory.StepMemory`` that ``memory.measure_step`` counts on a real step of ``models.MLP(sizes)``
+("optimizer_states" is ZeRO's K, the fp32 master weights included; "master_weights" is that part).
+``check_activations(fn, cases)`` does the same for ``fn(sizes, batch_size, activation, mixed)``, the
+bytes autograd saves in the forward of an MLP with that activation. Each check runs the student's code
+in a child process and raises one AssertionError that names the case, the kind, the prediction, the
+measurement and the difference (per parameter or per tensor where it is a whole number of them)::
 
     check_model_states(model_state_bytes, "optimizer_states", cases=("fp32",))
 
 A wrong number that is exactly what a known mistake gives (16-bit weights counted as fp32, the
-master weights inside the optimizer states, Adam's ``step`` or the biases left out, ...) gets that
+master weights left out of the optimizer states, Adam's ``step`` or the biases left out, ...) gets that
 mistake named. ``fn`` runs inside ``watching(ANSWERS)``, where the course's measurements
 and predictions (``measure_step``, ``SavedTensors``, ...) refuse to run for it.
 
@@ -84,8 +84,8 @@ _HINTS = {
     "grads": "backward writes one gradient per parameter, in the working copy's dtype",
     "master_weights": "only mixed precision keeps master weights: an fp32 copy of every parameter, which the "
                       "optimizer steps",
-    "optimizer_states": "count what optimizer.state holds after the first step(), in fp32 like the weights the "
-                        "optimizer steps, and leave the master weights out (they are their own kind here)",
+    "optimizer_states": "count what optimizer.state holds after the first step() (fp32, as the weights it steps), "
+                        "and in mixed precision the fp32 master weights too: ZeRO's K, as memory.StepMemory has it",
 }
 
 
@@ -200,27 +200,29 @@ def _model_state_mistakes(kind: str, sizes: tuple[int, ...], optimizer: str, mix
                         "working copy's 2"),
                 (4 * no_bias, biases)]
     shaped, zero_dim, names = _optimizer_state(sizes, optimizer)
+    master = 4 * N if mixed else 0              # optimizer_states holds the fp32 master weights too (ZeRO's K)
     mistakes = []
     if zero_dim:
-        mistakes += [(shaped, f"you left out `step`: {optimizer!r} keeps a step count per parameter tensor, a "
-                              "0-dim float32 tensor, 4 bytes"),
-                     (shaped + 4 * N, "you counted `step` once per parameter: it is one 0-dim float32 tensor per "
-                                      f"parameter *tensor*, {T} here")]
+        mistakes += [(master + shaped, f"you left out `step`: {optimizer!r} keeps a step count per parameter "
+                                       "tensor, a 0-dim float32 tensor, 4 bytes"),
+                     (master + shaped + 4 * N, "you counted `step` once per parameter: it is one 0-dim float32 "
+                                               f"tensor per parameter *tensor*, {T} here")]
     if mixed:
-        mistakes.append((measured + 4 * N, "you counted the master weights in the optimizer states too: ZeRO's "
-                                           "K does, but here they are a kind of their own, so leave the master "
-                                           "weights out"))
+        mistakes.append((measured - 4 * N, "you left out the master weights: in mixed precision the optimizer steps "
+                                           "an fp32 master copy of every parameter, and optimizer_states is ZeRO's "
+                                           "K, which holds it (master_weights is that part of it)"))
         if shaped:
-            mistakes += [(shaped // 2 + z, "you counted the states at 2 bytes, the working copy's 16 bits: the "
-                                           "optimizer steps the fp32 master weights, so its states are fp32 too")
-                         for z in {zero_dim, zero_dim // 2}]
+            mistakes += [(master + shaped // 2 + z, "you counted the states at 2 bytes, the working copy's 16 bits: "
+                                                    "the optimizer steps the fp32 master weights, so its states are "
+                                                    "fp32 too") for z in {zero_dim, zero_dim // 2}]
     if shaped % N == 0 and zero_dim % T == 0:
         per_param, per_tensor = shaped // N, zero_dim // T
-        mistakes += [(per_param * no_bias + per_tensor * t, biases) for t in {T, T // 2}]
+        mistakes += [((4 if mixed else 0) * no_bias + per_param * no_bias + per_tensor * t, biases)
+                     for t in {T, T // 2}]
     for other in (o for o in OPTIMIZERS if o != optimizer):
         o_shaped, o_zero, o_names = _optimizer_state(sizes, other)
-        mistakes.append((o_shaped + o_zero, f"you counted what {other!r} keeps ({_listed(o_names)}), but "
-                                            f"{optimizer!r} keeps {_listed(names)}"))
+        mistakes.append((master + o_shaped + o_zero, f"you counted what {other!r} keeps ({_listed(o_names)}), "
+                                                     f"but {optimizer!r} keeps {_listed(names)}"))
     return mistakes
 
 
@@ -242,8 +244,7 @@ def _model_states_rank(fn: Callable, kind: str, cases: tuple[str, ...], progress
             model = MLP(sizes)
             step = measure_step(model, regression_batch(4, sizes[0], sizes[-1]), F.mse_loss, OPTIMIZERS[optimizer],
                                 mixed_dtype=dtype)
-            measured = {"params": step.params, "grads": step.grads, "master_weights": step.master_weights,
-                        "optimizer_states": step.optimizer_states - step.master_weights}[kind]
+            measured = getattr(step, kind)     # StepMemory's optimizer_states holds the master weights too
             with watching(ANSWERS):            # the course's measurements refuse to run for fn
                 got = _as_student(progress, lambda: fn(sizes, optimizer, mixed))
             if not isinstance(got, dict):

@@ -5,12 +5,12 @@ E experts over ep ranks, E/ep each; rank r routes its own N tokens (one GShard g
 Fedus et al., arXiv 2101.03961)::
 
     check_moe_positions(positions_in_expert, cases=("small",))
-    check_moe_dispatch(dispatch, cases=("small",))
-    check_moe_combine(positions_in_expert, dispatch, combine, cases=("small",))
+    check_moe_dispatch(dispatch_padded, cases=("small",))
+    check_moe_combine(positions_in_expert, dispatch_padded, combine_padded, cases=("small",))
 
 * ``check_moe_positions``: ``positions_in_expert(experts, n_expert)`` against the course's on crafted and random
   routings (one process): each choice's arrival order in its expert, every first choice before any second one;
-* ``check_moe_dispatch``: ``dispatch(tokens, routing, n_expert, group)`` on ep ranks, with the course's routing:
+* ``check_moe_dispatch``: ``dispatch_padded(tokens, routing, n_expert, group)`` on ep ranks, with the course's routing:
   what each rank receives, row by row, laid out (source rank, local expert, slot) with zeros in empty slots and
   no dropped choice; the token gradients its backward sends back; and the traffic: one all-to-all forward and
   one backward, on the group, with equal splits of E/ep·C rows, each rank sending (ep-1)/ep·E·C·d·4 bytes;
@@ -479,6 +479,11 @@ def _rank(rank_case: Callable, students: tuple, cases: tuple[_Case, ...], progre
     return _stop_at_first_failure(steps(), progress)
 
 
+def _call(fn: Callable, arguments: str) -> str:
+    """How a message writes the call of the student's function: its own name (``dispatch_padded``, ...)."""
+    return getattr(fn, "__name__", "your function") + arguments
+
+
 def check_moe_dispatch(dispatch: Callable, cases: Sequence[str] = ("small",), timeout: float | None = None) -> None:
     """``dispatch(tokens, routing, n_expert, group)`` on every group of ``cases``, with the course's routing.
 
@@ -501,7 +506,7 @@ def _dispatch_case(dispatch: Callable, place: _Place, cfg: _Config, progress: st
     with watching(ANSWERS), place.recording():
         place.at("dispatch's forward")
         got = _student(progress, lambda: dispatch(x, routing, cfg.E, place.group), routing, cfg.E, place)
-        problem = _form("dispatch(tokens, routing, n_expert, group)", got, want, "(ep·E/ep·C, d)")
+        problem = _form(_call(dispatch, "(tokens, routing, n_expert, group)"), got, want, "(ep·E/ep·C, d)")
         problem = problem or _received_problem(got, want, tokens, routings, place, local)
         problem = problem or place.traffic("dispatch's forward", 1, cfg.E * C, ["dispatch's forward"])
         if problem is None and not got.requires_grad:
@@ -640,7 +645,7 @@ def _layer_case(positions_in_expert: Callable, dispatch: Callable, combine: Call
         routing = Routing(chosen, gates, pos.long(), pos.long() < C, probs, logits, C)
         place.at("forward, dispatch")
         received = _student(progress, lambda: dispatch(x, routing, cfg.E, place.group), routing, cfg.E, place)
-        problem = place.agree(_form("dispatch(tokens, routing, n_expert, group)", received,
+        problem = place.agree(_form(_call(dispatch, "(tokens, routing, n_expert, group)"), received,
                                     torch.empty(cfg.E * C, D), "(ep·E/ep·C, d)"))     # before combine's all-to-all
         if problem is not None:
             return problem
@@ -648,7 +653,7 @@ def _layer_case(positions_in_expert: Callable, dispatch: Callable, combine: Call
         outputs = torch.stack([experts[e](blocks[:, e - r * local]) for e in mine], 1).reshape(-1, D)
         place.at("forward, combine")
         y = _student(progress, lambda: combine(outputs, routing, place.group), routing, cfg.E, place)
-        problem = (_form("combine(outputs, routing, group)", y, want.out, "(N, d)")
+        problem = (_form(_call(combine, "(outputs, routing, group)"), y, want.out, "(N, d)")
                    or _output_problem(y, want, routing, cfg, lambda: _overflow(
                        received, _expected_received(tokens, routings, r, local), tokens, routings, r, local,
                        "your dispatch sent a dropped choice (check_moe_dispatch names the row it landed in)"))

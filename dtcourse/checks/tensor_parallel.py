@@ -1,9 +1,11 @@
 """Checks for exercise 09: a student's Megatron f and g, ``ColumnParallelLinear`` and ``RowParallelLinear``.
 
-The student writes ``f(x, group)`` (identity forward, all-reduce backward) and ``g(x, group)`` (all-reduce
-forward, identity backward) as autograd functions, and two layers cut from the full serial ``nn.Linear``
-(Shoeybi et al., arXiv 1909.08053, section 3): ``ColumnParallelLinear(full, group)`` keeps rows
-[r·out/t, (r+1)·out/t) of ``full.weight`` and of its bias and calls f on its input;
+The student writes Megatron's ``f`` (identity forward, all-reduce backward) and ``g`` (all-reduce forward,
+identity backward) as autograd functions, applied by ``copy_to_tensor_parallel(x, group)`` and
+``reduce_from_tensor_parallel(x, group)`` as in ``dtcourse.tensor_parallel``, and two layers cut from
+the full serial ``nn.Linear`` (Shoeybi et al., arXiv 1909.08053, section 3):
+``ColumnParallelLinear(full, group)`` keeps rows [r·out/t, (r+1)·out/t) of ``full.weight`` and of its bias
+and calls f on its input;
 ``RowParallelLinear(full, group)`` keeps columns [r·in/t, (r+1)·in/t) of ``full.weight`` and the whole
 bias, and calls g on its partial sum before adding the bias once. Four checks::
 
@@ -297,6 +299,9 @@ def _rank(rank_case: Callable, students: tuple, cases: tuple[_Case, ...], progre
 def check_f_and_g(f: Callable, g: Callable, cases: Sequence[str] = ("small",), timeout: float | None = None) -> None:
     """``f(x, group)`` and ``g(x, group)``: Megatron's two operators, alone, on every group of ``cases``.
 
+    The exercise calls them ``copy_to_tensor_parallel`` and ``reduce_from_tensor_parallel``, the library's
+    names; messages name each call by the function's own name.
+
     f's input is the same on the group's ranks, and each rank's upstream gradient its own: f must return
     x, start nothing forward, and backward give x the sum of the ranks' gradients with one all-reduce of
     x's bytes on ``group``. g's input differs per rank (partial sums) and its upstream gradient is the same on
@@ -312,14 +317,15 @@ def _f_and_g_case(f: Callable, g: Callable, place: _Place, progress: str) -> str
     parts = [_randn((B, T, C), place.seed + 20 + k) for k in range(place.t)]   # g's input: partial sums
     grad = _randn((B, T, C), place.seed + 30)                                   # g's upstream gradient, replicated
     mine = parts[place.r].clone().requires_grad_()
+    f_call, g_call = (f"{getattr(fn, '__name__', name)}(x, group)" for fn, name in ((f, "f"), (g, "g")))
     cut = "autograd never reaches {0}'s backward: return what your autograd.Function's apply returns"
     with watching(ANSWERS), place.recording():
         place.at("f's forward")
         y = _as_student(progress, lambda: f(x, place.group))
-        problem = (_mismatch("f(x, group)", y, x.detach(), [(place.t * x.detach(), _F_FORWARD)], than="x")
+        problem = (_mismatch(f_call, y, x.detach(), [(place.t * x.detach(), _F_FORWARD)], than="x")
                    or place.traffic("f's forward", None, "f is the identity forward"))
         if problem or not y.requires_grad:
-            return problem or f"f(x, group) returned a tensor that does not require grad: {cut.format('f')}"
+            return problem or f"{f_call} (f) returned a tensor that does not require grad: {cut.format('f')}"
         place.at("f's backward")
         _as_student(progress, lambda: y.backward(ups[place.r]))
         problem = (_mismatch("x.grad after f's backward", x.grad, sum(ups), [(ups[place.r], _F_OWN)],
@@ -329,13 +335,13 @@ def _f_and_g_case(f: Callable, g: Callable, place: _Place, progress: str) -> str
             return problem
         place.at("g's forward")
         z = _as_student(progress, lambda: g(mine, place.group))
-        problem = (_mismatch("g(x, group)", z, sum(parts), [(parts[place.r], _G_FORWARD)],
+        problem = (_mismatch(g_call, z, sum(parts), [(parts[place.r], _G_FORWARD)],
                              than="the sum of the group's inputs")
                    or place.traffic("g's forward", mine, "g sums the ranks' partial sums"))
         if problem or not z.requires_grad:
-            return problem or f"g(x, group) returned a tensor that does not require grad: {cut.format('g')}"
+            return problem or f"{g_call} (g) returned a tensor that does not require grad: {cut.format('g')}"
         if not torch.equal(mine.detach(), parts[place.r]):
-            return ("g(x, group) changed its input x: dist.all_reduce works in place, so all-reduce a copy "
+            return (f"{g_call} (g) changed its input x: dist.all_reduce works in place, so all-reduce a copy "
                     "(x.clone()); the caller's partial sum may still be needed")
         place.at("g's backward")
         _as_student(progress, lambda: z.backward(grad))
