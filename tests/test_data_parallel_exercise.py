@@ -1,12 +1,16 @@
 """Exercise 02 (gradient buckets): the released notebook, its checks and the autograder.
 
-A wrong bucket rule and a missing division by N each fail only their own checks, with the
-bucket or the parameter, rank and factor named; a deadlock fails after the timeout. The checks of
-the technique (one all-reduce per bucket, started during backward, every handle waited on) carry
-7 of the 12 points, so a wrapper that averages right without buckets or overlap scores under half;
-a wrapper that forgets to wait on a handle fails the same checks on every run; the course's own
-wrapper, and PyTorch's, are refused. Full marks for the solution and zero for the untouched
-exercise are checked with every exercise's, in ``test_grading.py``. Each grading run starts one
+The exercise is ``dtcourse.data_parallel.DistributedDataParallel`` with holes: the scaffolding is
+its set-up with the library's own ``Bucket``, and the student writes ``assign_buckets`` and the
+backward half (``_grad_ready``, ``_launch_ready_buckets``, ``_launch``, ``_finish_backward``,
+``_complete``). A wrong bucket rule and a missing division by N each fail only their own checks, with
+the bucket or the parameter, rank and factor named; a deadlock fails after the timeout. The checks of
+the technique (one all-reduce per bucket, in index order, started in the hook that completes it, every
+handle waited on) carry 7 of the 12 points, so a wrapper that averages right without buckets or overlap
+scores under half; a wrapper that forgets to wait on a handle fails the same checks on every run; one
+that launches buckets as they fill, out of index order, fails on layers registered out of order; the
+course's own wrapper, its methods, and PyTorch's wrapper are refused. Full marks for the solution and
+zero for the untouched exercise are checked with every exercise's, in ``test_grading.py``. Each grading run starts one
 Jupyter kernel (a few seconds). Run just these with ``pytest -q test_data_parallel_exercise.py``,
 and everything about this exercise with
 ``pytest -q tests -k "02_data_parallel_buckets or test_data_parallel_exercise"``.
@@ -49,38 +53,50 @@ def assign_buckets(params, cap_bytes):
             current, size = [], 0
     return buckets + [current] if current else buckets
 '''
-# finish() copies the all-reduced sums back without dividing by the world size.
+# _complete copies the all-reduced sums back without dividing by the world size.
 SUM_NOT_MEAN = '''
 class OverlappedDDP(DDPBase):
-    def grad_ready(self, i):
-        if not self.finish_queued:
-            self.finish_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
-        bucket = self.bucket_of[i]
-        lo, hi = bucket.span[i]
-        bucket.flat[lo:hi].copy_(self.params[i].grad.reshape(-1))
-        bucket.pending -= 1
-        if bucket.pending == 0:
-            bucket.work = dist.all_reduce(bucket.flat, async_op=True)
+    def _grad_ready(self, i):
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        self._bucket_of[i].pending -= 1
+        self._launch_ready_buckets()
 
-    def finish(self):
-        for bucket in self.buckets:
-            bucket.work.wait()
-            for i, (lo, hi) in bucket.span.items():
-                self.params[i].grad.copy_(bucket.flat[lo:hi].view_as(self.params[i]))
+    def _launch_ready_buckets(self):
+        while self._next < len(self._buckets) and self._buckets[self._next].pending == 0:
+            self._launch(self._buckets[self._next])
+            self._next += 1
+
+    def _launch(self, bucket):
+        for p, (lo, hi) in zip(bucket.params, bucket.spans):
+            bucket.flat[lo:hi].copy_(p.grad.reshape(-1))
+        bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
+
+    def _finish_backward(self):
+        for bucket in self._buckets:
+            self._complete(bucket)
+        self._reset()
+
+    def _complete(self, bucket):
+        bucket.work.wait()
+        for p, (lo, hi) in zip(bucket.params, bucket.spans):
+            p.grad.copy_(bucket.flat[lo:hi].view(p.shape))
 '''
 # Right gradients, the lesson's first step: one blocking all-reduce per parameter, after backward.
 NO_BUCKETS_NO_OVERLAP = '''
 class OverlappedDDP(DDPBase):
-    def grad_ready(self, i):
-        if not self.finish_queued:
-            self.finish_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+    def _grad_ready(self, i):
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
-    def finish(self):
-        for p in self.params:
-            dist.all_reduce(p.grad)
-            p.grad /= self.world_size
+    def _finish_backward(self):
+        for bucket in self._buckets:
+            for p in bucket.params:
+                dist.all_reduce(p.grad, group=self.group)
+                p.grad /= self.world_size
+        self._reset()
 '''
 # The course's answers, imported instead of written.
 IMPORTS_THE_COURSE = {
@@ -88,7 +104,7 @@ IMPORTS_THE_COURSE = {
     "overlapped_ddp": "from dtcourse.data_parallel import DistributedDataParallel as OverlappedDDP",
 }
 # Correct, and written differently from the solution: buckets by a running total over the reversed
-# indices, and a wrapper that concatenates a full bucket's gradients, waits through futures, and
+# indices, and a wrapper that concatenates a complete bucket's gradients, waits through futures, and
 # sets each .grad to a fresh tensor.
 DIFFERENT_BUT_RIGHT = {
     "assign_buckets": '''
@@ -110,24 +126,35 @@ def assign_buckets(params, cap_bytes):
 ''',
     "overlapped_ddp": '''
 class OverlappedDDP(DDPBase):
-    def grad_ready(self, i):
-        if not self.finish_queued:
-            self.finish_queued, self.in_flight = True, []
-            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
-        bucket = self.bucket_of[i]
-        bucket.pending -= 1
-        if not bucket.pending:
-            flat = torch.cat([self.params[j].grad.flatten() for j in bucket.ids])
-            future = dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True).get_future()
-            self.in_flight.append((bucket, flat, future))
+    def _grad_ready(self, i):
+        if not self._callback_queued:
+            self._callback_queued, self.in_flight = True, []
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        self._bucket_of[i].pending -= 1
+        self._launch_ready_buckets()
 
-    def finish(self):
+    def _launch_ready_buckets(self):
+        for bucket in self._buckets[self._next:]:
+            if bucket.pending:
+                break
+            self._launch(bucket)
+            self._next += 1
+
+    def _launch(self, bucket):
+        flat = torch.cat([p.grad.flatten() for p in bucket.params])
+        future = dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True).get_future()
+        self.in_flight.append((bucket, flat, future))
+
+    def _finish_backward(self):
         for bucket, flat, future in self.in_flight:
-            future.wait()
-            mean = flat / self.world_size
-            for j in bucket.ids:
-                lo, hi = bucket.span[j]
-                self.params[j].grad = mean[lo:hi].view_as(self.params[j]).clone()
+            self._complete(bucket, flat, future)
+        self._reset()
+
+    def _complete(self, bucket, flat, future):
+        future.wait()
+        mean = flat / self.world_size
+        for p, (lo, hi) in zip(bucket.params, bucket.spans):
+            p.grad = mean[lo:hi].view_as(p).clone()
 ''',
 }
 
@@ -149,10 +176,27 @@ DDPBase, OverlappedDDP = NOTEBOOK["DDPBase"], NOTEBOOK["OverlappedDDP"]
 # The released notebook
 # --------------------------------------------------------------------------- #
 def test_released_notebook_hides_the_answer_and_gives_the_scaffolding():
-    assert_released(NAME, absent=["queue_callback(self.finish)", 'cases=("dtypes"', 'cases=("tiny", "frozen"'],
-                    stubs={"overlapped_ddp": 2},
-                    given={"overlapped_ddp": ["def grad_ready(self, i: int)", "def finish(self)"],
-                           "scaffold": ["register_post_accumulate_grad_hook"]})
+    assert_released(NAME, absent=["queue_callback(self._finish_backward)", "self._next += 1", 'cases=("dtypes"',
+                                  'cases=("tiny", "frozen"'],
+                    stubs={"overlapped_ddp": 5},
+                    given={"overlapped_ddp": ["def _grad_ready(self, i: int) -> None:",
+                                              "def _launch_ready_buckets(self) -> None:",
+                                              "def _launch(self, bucket: Bucket) -> None:",
+                                              "def _finish_backward(self) -> None:",
+                                              "def _complete(self, bucket: Bucket) -> None:"],
+                           "scaffold": ["from dtcourse.data_parallel.buckets import Bucket",
+                                        "register_post_accumulate_grad_hook", "def _reset(self) -> None:"]})
+
+
+def test_the_scaffolding_is_the_library_s_own():
+    """The given Bucket is the library's, and the student's methods are DistributedDataParallel's, by name."""
+    from dtcourse.data_parallel.buckets import Bucket
+    assert NOTEBOOK["Bucket"] is Bucket
+    written = {name for name in vars(OverlappedDDP) if callable(vars(OverlappedDDP)[name])}
+    assert written == {"_grad_ready", "_launch_ready_buckets", "_launch", "_finish_backward", "_complete"}
+    assert written <= set(vars(DistributedDataParallel))
+    refused = {name.rpartition(".")[2] for name in checks.data_parallel.ANSWERS.course if isinstance(name, str)}
+    assert written <= refused and "Bucket" not in refused, refused
 
 
 # --------------------------------------------------------------------------- #
@@ -252,6 +296,14 @@ def test_the_course_answers_are_refused():
             with pytest.raises(AssertionError, match=r"was given \S*(DistributedDataParallel|Inherits), which is"):
                 check(cls)
 
+    class Borrows(OverlappedDDP):   # the scaffolding's shape is the library's: its method would fit
+        _launch_ready_buckets = DistributedDataParallel._launch_ready_buckets
+
+    with pytest.raises(AssertionError, match=r"raised ReferenceRefused: dtcourse\.data_parallel\.ddp\."
+                                             r"DistributedDataParallel\._launch_ready_buckets is (part of )?the "
+                                             r"course's own answer to exercise 02"):
+        checks.check_overlap(Borrows)
+
 
 class _BuildsTorchDDP(torch.nn.Module):
     def __init__(self, module, bucket_cap_mb):
@@ -304,12 +356,12 @@ def test_a_deadlock_fails_after_the_timeout():
 class _WaitsOnTheLastHandleOnly(OverlappedDDP):
     """The race of issue 10: right whenever the earlier buckets' all-reduces happened to finish in time."""
 
-    def finish(self):
-        self.buckets[-1].work.wait()
-        for bucket in self.buckets:
-            bucket.flat /= self.world_size
-            for i, (lo, hi) in bucket.span.items():
-                self.params[i].grad.copy_(bucket.flat[lo:hi].view_as(self.params[i]))
+    def _complete(self, bucket):
+        if bucket is self._buckets[-1]:
+            bucket.work.wait()
+        bucket.flat /= self.world_size
+        for p, (lo, hi) in zip(bucket.params, bucket.spans):
+            p.grad.copy_(bucket.flat[lo:hi].view(p.shape))
 
 
 def test_a_forgotten_wait_fails_the_same_way_every_time():
@@ -333,98 +385,145 @@ def test_a_forgotten_wait_fails_the_same_way_every_time():
     assert "all-reduce(s) [0, 1, 2, 3, 4] (in the order they started) were never waited on" in tiny, tiny
 
 
+class _NeverResets(OverlappedDDP):
+    """Right in the first step; _finish_backward forgets _reset(), so the next backward launches nothing."""
+
+    def _finish_backward(self):
+        for bucket in self._buckets:
+            self._complete(bucket)
+
+
+def test_a_wrapper_that_never_resets_is_told_so():
+    with pytest.raises(AssertionError) as info:
+        checks.check_ddp_parity(_NeverResets)
+    message = str(info.value)
+    assert "step 2, parameter 'net.0.weight'" in message, message
+    assert "It is still this rank's own gradient" in message, message
+    assert "The backward of step 2 started no all-reduce, though an earlier one did: does _finish_backward end " \
+           "with self._reset()" in message, message
+
+
 class _Blocking(OverlappedDDP):
     """Each bucket's all-reduce starts in the hook that completes it, and blocks it."""
 
-    def grad_ready(self, i):
-        if not self.finish_queued:
-            self.finish_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
-        bucket = self.bucket_of[i]
-        lo, hi = bucket.span[i]
-        bucket.flat[lo:hi].copy_(self.params[i].grad.reshape(-1))
-        bucket.pending -= 1
-        if bucket.pending == 0:
-            dist.all_reduce(bucket.flat)
+    def _launch(self, bucket):
+        for p, (lo, hi) in zip(bucket.params, bucket.spans):
+            bucket.flat[lo:hi].copy_(p.grad.reshape(-1))
+        dist.all_reduce(bucket.flat)
 
-    def finish(self):
-        for bucket in self.buckets:
-            bucket.flat /= self.world_size
-            for i, (lo, hi) in bucket.span.items():
-                self.params[i].grad.copy_(bucket.flat[lo:hi].view_as(self.params[i]))
+    def _complete(self, bucket):
+        bucket.flat /= self.world_size
+        for p, (lo, hi) in zip(bucket.params, bucket.spans):
+            p.grad.copy_(bucket.flat[lo:hi].view(p.shape))
 
 
 class _InFinish(OverlappedDDP):
-    """Bucketed, but every all-reduce starts after backward."""
+    """Bucketed, but every all-reduce starts after backward: the lesson's step 2."""
 
-    def grad_ready(self, i):
-        if not self.finish_queued:
-            self.finish_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+    def _grad_ready(self, i):
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        self._bucket_of[i].pending -= 1
 
-    def finish(self):
-        for bucket in self.buckets:
-            for i, (lo, hi) in bucket.span.items():
-                bucket.flat[lo:hi].copy_(self.params[i].grad.reshape(-1))
-            bucket.work = dist.all_reduce(bucket.flat, async_op=True)
-        super().finish()
+    def _finish_backward(self):
+        for bucket in self._buckets[self._next:]:
+            self._launch(bucket)
+        super()._finish_backward()
 
 
 class _AllInTheLastHook(OverlappedDDP):
     """Bucketed and asynchronous, but nothing starts before the last gradient."""
 
-    def grad_ready(self, i):
-        if not self.finish_queued:
-            self.finish_queued, self.seen = True, 0
-            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
-        bucket = self.bucket_of[i]
-        lo, hi = bucket.span[i]
-        bucket.flat[lo:hi].copy_(self.params[i].grad.reshape(-1))
-        self.seen += 1
-        if self.seen == len(self.params):
-            for bucket in self.buckets:
-                bucket.work = dist.all_reduce(bucket.flat, async_op=True)
+    def _launch_ready_buckets(self):
+        if all(bucket.pending == 0 for bucket in self._buckets):
+            super()._launch_ready_buckets()
+
+
+class _AsTheyFill(OverlappedDDP):
+    """The exercise's former shape: a bucket starts the moment it is complete, whatever its index."""
+
+    def _grad_ready(self, i):
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        bucket = self._bucket_of[i]
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            self._launch(bucket)
+
+
+class _LaunchesTheNextEarly(OverlappedDDP):
+    """In index order, but bucket _next starts whenever any bucket is complete, its own gradients or not."""
+
+    def _grad_ready(self, i):
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        self._bucket_of[i].pending -= 1
+        if self._bucket_of[i].pending == 0:
+            self._launch(self._buckets[self._next])
+            self._next += 1
+
+    def _launch(self, bucket):
+        for p, (lo, hi) in zip(bucket.params, bucket.spans):
+            if p.grad is None:                   # not produced yet: the bucket started too early
+                bucket.flat[lo:hi].zero_()
+            else:
+                bucket.flat[lo:hi].copy_(p.grad.reshape(-1))
+        bucket.work = dist.all_reduce(bucket.flat, async_op=True)
 
 
 class _WaitsEarly(OverlappedDDP):
     """Waits on a bucket's handle in the hook that started it."""
 
-    def grad_ready(self, i):
-        super().grad_ready(i)
-        if self.bucket_of[i].work is not None:
-            self.bucket_of[i].work.wait()
+    def _launch(self, bucket):
+        super()._launch(bucket)
+        bucket.work.wait()
 
 
 class _OnePerParameter(DDPBase):
     """Overlapped, but one all-reduce per gradient: no buckets."""
 
-    def grad_ready(self, i):
-        if not self.finish_queued:
-            self.finish_queued, self.works = True, []
-            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
-        self.works.append(dist.all_reduce(self.params[i].grad, async_op=True))
+    def _grad_ready(self, i):
+        if not self._callback_queued:
+            self._callback_queued, self.works = True, []
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        bucket = self._bucket_of[i]
+        p = bucket.params[bucket.param_ids.index(i)]
+        self.works.append(dist.all_reduce(p.grad, async_op=True))
 
-    def finish(self):
+    def _finish_backward(self):
         for work in self.works:
             work.wait()
-        for p in self.params:
-            p.grad /= self.world_size
+        for bucket in self._buckets:
+            for p in bucket.params:
+                p.grad /= self.world_size
+        self._reset()
 
 
-@pytest.mark.parametrize("cls, complaint", [
-    (OverlappedDDP, None),
-    (_Blocking, r"all-reduce\(s\) \[0, 1, 2\] ran with async_op=False"),
-    (_InFinish, r"all-reduce\(s\) \[0, 1, 2\] started only after backward had produced every gradient .*: your "
-                r"all-reduces of 480 B, 1232 B, 832 B started after 6, 6, 6 of the 6 gradients"),
-    (_AllInTheLastHook, r"all-reduce\(s\) \[0, 1\] started only once every gradient was ready"),
-    (_WaitsEarly, r"all-reduce 0's handle was waited on after only 2 of the 6 gradients"),
-    (_OnePerParameter, r"expected one all-reduce per bucket, 3 of them \(480 B, 1232 B, 832 B\), but "
-                       r"backward\(\) made 6: your all-reduces of 40 B, 440 B, 88 B, 1144 B, 104 B, 728 B started "
-                       r"after 1, 2, 3, 4, 5, 6 of the 6 gradients were ready\. That is one per parameter"),
+@pytest.mark.parametrize("cls, cases, complaint", [
+    (OverlappedDDP, None, None),
+    (_Blocking, ("mlp",), r"all-reduce\(s\) \[0, 1, 2\] ran with async_op=False"),
+    (_InFinish, ("mlp",), r"all-reduce\(s\) \[0, 1, 2\] started only after backward had produced every gradient .*: "
+                          r"your all-reduces of 480 B, 1232 B, 832 B started after 6, 6, 6 of the 6 gradients"),
+    (_AllInTheLastHook, ("mlp",), r"all-reduce\(s\) \[0, 1\] started only once every gradient was ready, so they "
+                                  r"could not overlap with backward: .*, but they could start after 2, 4, when"),
+    (_AsTheyFill, ("mlp", "reordered"), r"(?s)case 'reordered' .*all-reduce 0 carried 480 B, but bucket 0 holds "
+                                        r"1232 B: your all-reduces of 480 B, 1232 B, 832 B started after 2, 4, 6 of "
+                                        r"the 6 gradients were ready\. The buckets were complete in the order "
+                                        r"\[2, 0, 1\]"),
+    (_LaunchesTheNextEarly, ("mlp", "reordered"), r"(?s)case 'reordered' .*all-reduce 0 started after only 2 of the 6 "
+                                                  r"gradients, but bucket 0 was complete only after 4"),
+    (_WaitsEarly, ("mlp",), r"all-reduce 0's handle was waited on after only 2 of the 6 gradients"),
+    (_OnePerParameter, ("mlp",), r"expected one all-reduce per bucket, 3 of them \(480 B, 1232 B, 832 B\), but "
+                                 r"backward\(\) made 6: your all-reduces of 40 B, 440 B, 88 B, 1144 B, 104 B, 728 B "
+                                 r"started after 1, 2, 3, 4, 5, 6 of the 6 gradients were ready\. That is one per "
+                                 r"parameter"),
 ])
-def test_overlap_check(cls, complaint):
+def test_overlap_check(cls, cases, complaint):
     if complaint is None:
-        checks.check_overlap(cls, world_sizes=(2, 3), cases=("mlp", "tiny", "frozen", "one_bucket", "gpt"))
+        checks.check_overlap(cls, world_sizes=(2, 3), cases=("mlp", "tiny", "frozen", "one_bucket", "reordered", "gpt"))
     else:
         with pytest.raises(AssertionError, match=complaint):
-            checks.check_overlap(cls)
+            checks.check_overlap(cls, cases=cases)

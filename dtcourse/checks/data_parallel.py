@@ -4,16 +4,20 @@
 ``dtcourse.data_parallel.assign_buckets``; ``check_ddp_parity`` trains with a
 student's DDP wrapper on N ranks next to one process on the whole batch;
 ``check_overlap`` checks the technique itself on one backward: one all-reduce per
-bucket, of the bucket's bytes, each started asynchronously while backward goes on,
-and every handle waited on before ``backward()`` returns. Like every check, they
+bucket, of the bucket's bytes, in bucket index order, each started asynchronously in
+the hook that completes its bucket and every bucket before it, and every handle
+waited on before ``backward()`` returns. Like every check, they
 raise one AssertionError that says what differs, and a deadlock becomes a failure
 after the timeout::
 
     check_ddp_parity(OverlappedDDP, world_sizes=(2,), cases=("mlp",))
 
-While the student's code runs, ``dtcourse.data_parallel``'s answers and torch's
-``DistributedDataParallel`` refuse to run (``guard.watching``), and passing one of them
-to a check is refused too. Every all-reduce the student starts runs on a copy of its
+The exercise's scaffolding is ``DistributedDataParallel``'s set-up with the library's own
+``Bucket``; the student writes ``assign_buckets`` and the wrapper's backward half
+(``_grad_ready``, ``_launch_ready_buckets``, ``_launch``, ``_finish_backward``,
+``_complete``). While the student's code runs, those answers of ``dtcourse.data_parallel``
+and torch's ``DistributedDataParallel`` refuse to run (``guard.watching``), and passing one
+of them to a check is refused too. Every all-reduce the student starts runs on a copy of its
 tensor, and the sum reaches the student's tensor only when its handle's ``wait()`` is
 called: the earliest a correct program may read it. A wrapper that forgets to wait
 on a handle then gets the same wrong gradients on every run, instead of right ones
@@ -23,6 +27,7 @@ whenever the all-reduce happened to finish in time.
 from __future__ import annotations
 
 import copy
+import itertools
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -40,15 +45,19 @@ from dtcourse.checks.guard import Answers, watching
 __all__ = ["check_bucket_assignment", "check_ddp_parity", "check_overlap", "DDP_CASES", "DDP_TOL"]
 
 # What these checks switch off while the student's code runs (guard.watching), and refuse to be given
+# (Bucket, the dataclass the scaffolding imports, is not an answer.)
 ANSWERS = Answers("02", course=("dtcourse.data_parallel.ddp.DistributedDataParallel",
+                                *(f"dtcourse.data_parallel.ddp.DistributedDataParallel.{method}" for method in (
+                                    "_grad_ready", "_launch_ready_buckets", "_launch", "_finish_backward",
+                                    "_complete")),
                                 "dtcourse.data_parallel.buckets.assign_buckets"),
                   library={"torch.nn.parallel.DistributedDataParallel is switched off while exercise 02's checks run: "
                            "the exercise asks you to write the bucketing and the overlap yourself":
                            ("torch.nn.parallel.DistributedDataParallel.__init__",)})
 
 
-_ADVICE = ("Subclass DDPBase, as the exercise's cell does, write grad_ready and finish (and assign_buckets) "
-           "yourself, and pass that.")
+_ADVICE = ("Subclass DDPBase, as the exercise's cell does, write _grad_ready, _launch_ready_buckets, _launch, "
+           "_finish_backward and _complete (and assign_buckets) yourself, and pass that.")
 
 
 # =========================================================================== #
@@ -56,8 +65,8 @@ _ADVICE = ("Subclass DDPBase, as the exercise's cell does, write grad_ready and 
 # =========================================================================== #
 # A student's bucketed DDP wrapper is held to dtcourse.data_parallel: the same
 # buckets as its assign_buckets, the gradients and parameters of one process
-# training on the whole batch, and one all-reduce per bucket, of its bytes,
-# started while backward runs and waited on before backward() returns.
+# training on the whole batch, and one all-reduce per bucket, of its bytes, in
+# index order, started while backward runs and waited on before backward() returns.
 
 DDP_BATCH = 12   # global batch: every world size checked (1, 2, 3, 4, 6) divides it
 DDP_LR = 0.1     # plain SGD by hand, so a wrong gradient moves the parameters visibly
@@ -207,7 +216,7 @@ def _rule(params: list[torch.Tensor], cap: int, backwards: bool = True, at_cap: 
 @dataclass(frozen=True)
 class _DDPCase:
     description: str
-    model: str                      # "mlp" or "gpt", always in float64
+    model: str                      # "mlp", "reordered" or "gpt", always in float64
     bucket_cap_mb: float
     frozen: tuple[str, ...] = ()    # parameter names given requires_grad=False before wrapping
 
@@ -218,6 +227,8 @@ DDP_CASES = {
                        ("net.2.bias",)),
     "tiny": _DDPCase("the same MLP, 1-byte buckets: one per parameter", "mlp", 1 / 2**20),
     "one_bucket": _DDPCase("the same MLP, 25 MiB buckets: all in one", "mlp", 25.0),
+    "reordered": _DDPCase("the same MLP with its layers registered last, first, middle, 400-byte buckets: the "
+                          "last bucket is complete first", "reordered", 400 / 2**20),
     "gpt": _DDPCase("a 1-layer GPT, 4 KiB buckets", "gpt", 4 / 1024),
 }
 
@@ -254,10 +265,12 @@ def check_overlap(cls: Callable, world_sizes: Sequence[int] = (2,), cases: Seque
     The check sees every collective the wrapper makes (``guard.watching``), every handle's
     ``wait()``, and every gradient as autograd produces it. It wants:
 
-    * one all-reduce per bucket (the wrapper's ``buckets``, or the reference rule's), each of one
+    * one all-reduce per bucket (the wrapper's ``_buckets``, or the reference rule's), each of one
       bucket's bytes, together every trainable gradient once;
-    * each started with ``async_op=True`` from a gradient hook, before backward has finished, and
-      with two buckets or more, all but the last before the last gradient is ready;
+    * each started with ``async_op=True``, in bucket index order, in the gradient hook that completes
+      its bucket and every bucket before it (``DistributedDataParallel._launch_ready_buckets``'s
+      rule): not before, since its gradients are not all there, and not later, since that is
+      overlap lost;
     * no handle waited on before the last gradient, and every handle waited on before
       ``backward()`` returns.
     """
@@ -355,6 +368,11 @@ def _deferred_all_reduces(events: list) -> Iterator[None]:
         ProcessGroup.allreduce = raw
 
 
+def _started(events: list, since: int = 0) -> int:
+    """How many all-reduces ``events[since:]`` started."""
+    return sum(1 for e in events[since:] if e[0] == "all_reduce")
+
+
 def _unwaited(events: list, since: int = 0) -> list[int]:
     """Of the all-reduces started in ``events[since:]`` (numbered from 0 there), those never waited on."""
     started = [e[1] for e in events[since:] if e[0] == "all_reduce"]
@@ -362,9 +380,29 @@ def _unwaited(events: list, since: int = 0) -> list[int]:
     return [position for position, k in enumerate(started) if k not in waited]
 
 
+class _Reordered(torch.nn.Module):
+    """The MLP's layers registered last, first, middle and run first, middle, last.
+
+    Backward produces the last layer's gradients first, but they are registered first, so they sit in
+    the last bucket: at 400 bytes the buckets are [middle], [first], [last], complete in the order 2, 0, 1.
+    """
+
+    def __init__(self, mlp: torch.nn.Module):
+        super().__init__()
+        self.last, self.first, self.middle = mlp.net[4], mlp.net[0], mlp.net[2]   # registered in this order
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.last(torch.relu(self.middle(torch.relu(self.first(x)))))   # what MLP.forward computes
+
+
 def _ddp_model(case: _DDPCase) -> torch.nn.Module:
     from dtcourse.models import GPT, MLP
-    model = (MLP(_MLP_SIZES, seed=0) if case.model == "mlp" else GPT(_gpt_config(), seed=0)).double()
+    if case.model == "gpt":
+        model = GPT(_gpt_config(), seed=0)
+    else:
+        model = MLP(_MLP_SIZES, seed=0)
+        model = _Reordered(model) if case.model == "reordered" else model
+    model = model.double()
     for name, p in model.named_parameters():
         p.requires_grad_(name not in case.frozen)
     return model
@@ -372,7 +410,7 @@ def _ddp_model(case: _DDPCase) -> torch.nn.Module:
 
 def _ddp_batch(case: _DDPCase, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     from dtcourse.models import regression_batch, token_batch
-    if case.model == "mlp":
+    if case.model != "gpt":
         x, y = regression_batch(DDP_BATCH, _MLP_SIZES[0], _MLP_SIZES[-1], seed=seed)
         return x.double(), y.double()
     return token_batch(_gpt_config(), DDP_BATCH, seed=seed)
@@ -380,7 +418,7 @@ def _ddp_batch(case: _DDPCase, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _ddp_loss(case: _DDPCase, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     from dtcourse.models import lm_loss
-    return torch.nn.functional.mse_loss(out, y) if case.model == "mlp" else lm_loss(out, y)
+    return torch.nn.functional.mse_loss(out, y) if case.model != "gpt" else lm_loss(out, y)
 
 
 def _full_gradients(scratch: torch.nn.Module, model: torch.nn.Module, case: _DDPCase, x: torch.Tensor,
@@ -417,7 +455,8 @@ def _parity_case(cls: Callable, name: str, steps: int, progress: str) -> str | N
             note.write_text(f"case {name!r} ({case.description}), step {step}: forward and backward")
             since = len(events)
             _as_student(progress, lambda: _ddp_loss(case, ddp(x[mine]), y[mine]).backward())
-            problem = problem or _gradient_problem(model, expected, own, n, step, _unwaited(events, since))
+            silent = (_started(events, since) == 0 < _started(events[:since]))   # none now, some before
+            problem = problem or _gradient_problem(model, expected, own, n, step, _unwaited(events, since), silent)
             reference.zero_grad(set_to_none=True)
             _ddp_loss(case, reference(x), y).backward()     # one process, the whole batch
             _sgd_step(model)
@@ -440,11 +479,12 @@ def _sgd_step(model: torch.nn.Module) -> None:
 
 
 def _gradient_problem(model: torch.nn.Module, expected: dict[str, torch.Tensor], own: dict[str, torch.Tensor],
-                      n: int, step: int, unwaited: list[int]) -> str | None:
+                      n: int, step: int, unwaited: list[int], silent: bool = False) -> str | None:
     """None if every .grad is the full-batch gradient, else the first parameter that is not.
 
     ``unwaited``: the all-reduces of this backward whose handle was never waited on; their sums
-    never reached the student's tensors (``_Handle``), which the message then says.
+    never reached the student's tensors (``_Handle``), which the message then says. ``silent``: this
+    backward started no all-reduce although an earlier one did, which the message says too.
     """
     for name, p in model.named_parameters():
         if name not in expected:
@@ -468,12 +508,16 @@ def _gradient_problem(model: torch.nn.Module, expected: dict[str, torch.Tensor],
         elif n > 1 and torch.allclose(got, own[name], **close):
             message += (". It is still this rank's own gradient: the all-reduced bucket never reached "
                         ".grad before backward() returned")
+            if silent:
+                message += (f". The backward of step {step} started no all-reduce, though an earlier one did: does "
+                            "_finish_backward end with self._reset(), so that the next backward finds _next, "
+                            "_callback_queued and every bucket's pending as they were at the start?")
         elif not got.any():
             message += ". It is all zeros"
         if unwaited:
             message += (f". The handle(s) of all-reduce(s) {unwaited} of this backward (in the order they started) "
                         "were never waited on: an all-reduce's sum is in its tensor only once its handle's "
-                        "wait() has returned, so call wait() on every bucket's handle in finish(), before "
+                        "wait() has returned, so call wait() on every bucket's handle in _complete(), before "
                         "reading the bucket")
         return message
     return None
@@ -516,19 +560,27 @@ def _overlap_case(cls: Callable, name: str, progress: str) -> str | None:
         _as_student(progress, lambda: loss.backward())
         events.append(("backward returned",))
         collectives = [what for what, _ in watch.collectives[first:]]
-    buckets = getattr(ddp, "buckets", None)
-    if isinstance(buckets, (list, tuple)) and buckets and all(isinstance(getattr(b, "flat", None), torch.Tensor)
-                                                               for b in buckets):
-        sizes = [b.flat.nbytes for b in buckets]          # the wrapper's own buckets (DDPBase's)
+    names = {id(p): pname for pname, p in trainable}
+    buckets = getattr(ddp, "_buckets", None)
+    if isinstance(buckets, (list, tuple)) and buckets and all(
+            isinstance(getattr(b, "flat", None), torch.Tensor) and isinstance(getattr(b, "params", None), list)
+            and all(id(p) in names for p in b.params) for b in buckets):
+        sizes = [b.flat.nbytes for b in buckets]          # the wrapper's own buckets (DDPBase's), in index order
+        members = [[names[id(p)] for p in b.params] for b in buckets]
     else:
         params = [p for _, p in trainable]
-        sizes = [sum(params[i].nbytes for i in ids) for ids in reference(params, int(case.bucket_cap_mb * 2**20))]
-    return _overlap_problem(events, collectives, sizes, [p.nbytes for _, p in trainable])
+        planned = reference(params, int(case.bucket_cap_mb * 2**20))
+        sizes = [sum(params[i].nbytes for i in ids) for ids in planned]
+        members = [[trainable[i][0] for i in ids] for ids in planned]
+    return _overlap_problem(events, collectives, sizes, members, [p.nbytes for _, p in trainable])
 
 
-def _overlap_problem(events: list[tuple], collectives: list[str], sizes: list[int],
+def _overlap_problem(events: list[tuple], collectives: list[str], sizes: list[int], members: list[list[str]],
                      param_sizes: list[int]) -> str | None:
-    """What in one backward's ``events`` is not a bucketed, overlapped DDP's, or None."""
+    """What in one backward's ``events`` is not a bucketed, overlapped DDP's, or None.
+
+    ``sizes`` and ``members``: each bucket's bytes and parameter names, in index order.
+    """
     grads = [i for i, e in enumerate(events) if e[0] == "grad"]
     reductions = [(i, e) for i, e in enumerate(events) if e[0] == "all_reduce"]
     done = next((i for i, e in enumerate(events) if e[0] == "backward done"), len(events))
@@ -536,8 +588,8 @@ def _overlap_problem(events: list[tuple], collectives: list[str], sizes: list[in
     others = sorted({what for what in collectives if what != "allreduce"})
     if not reductions:
         return ("backward() made no all-reduce" + (f" (only {', '.join(others)})" if others else "") + ": start "
-                "each bucket's all-reduce, dist.all_reduce(bucket.flat, async_op=True), in the hook that completes "
-                "the bucket")
+                "each bucket's all-reduce, dist.all_reduce(bucket.flat, group=self.group, async_op=True), in "
+                "_launch(bucket), which _launch_ready_buckets() calls from the hook that completes the bucket")
     ready = [sum(g < i for g in grads) for i, _ in reductions]   # gradients ready at each start
     timeline = (f"your all-reduces of {', '.join(f'{e[2]} B' for _, e in reductions)} started after "
                 f"{', '.join(map(str, ready))} of the {len(grads)} gradients were ready")
@@ -547,7 +599,7 @@ def _overlap_problem(events: list[tuple], collectives: list[str], sizes: list[in
                    f"{len(reductions)}: {timeline}")
         if sorted(e[2] for _, e in reductions) == sorted(param_sizes) and len(param_sizes) != len(sizes):
             message += (". That is one per parameter: copy each gradient into its bucket's flat buffer and "
-                        "all-reduce the buffer, once, when its last gradient is in")
+                        "all-reduce the buffer, once, when the bucket is complete")
         elif sum(e[2] for _, e in reductions) != sum(param_sizes):
             message += f". Together they carry {sum(e[2] for _, e in reductions)} B, not the {sum(param_sizes)} B "
             message += "of the trainable gradients: each gradient must travel once"
@@ -555,25 +607,49 @@ def _overlap_problem(events: list[tuple], collectives: list[str], sizes: list[in
     blocking = [e[1] for _, e in reductions if not e[3]]
     if blocking:
         return (f"all-reduce(s) {blocking} ran with async_op=False, so backward stopped until each finished: "
-                "pass async_op=True, keep the handle, and wait on it in finish()")
+                "pass async_op=True, keep the handle in bucket.work, and wait on it in _complete()")
     after = [e[1] for i, e in reductions if i > done]
     if after:
-        return (f"all-reduce(s) {after} started only after backward had produced every gradient (in finish(), "
-                f"or later), so no communication overlapped with it: {timeline}. Start a bucket's all-reduce in "
-                "the hook that completes the bucket")
-    late = [e[1] for (_, e), r in zip(reductions[:-1], ready[:-1]) if r >= len(grads)]
+        return (f"all-reduce(s) {after} started only after backward had produced every gradient (in "
+                f"_finish_backward(), or later), so no communication overlapped with it: {timeline}. Start a "
+                "bucket's all-reduce in the hook that completes the bucket, through _launch_ready_buckets()")
+    # Gradients ready once bucket k is complete, and once it and every bucket before it are: when it may start.
+    arrived = {events[i][1]: count for count, i in enumerate(grads, start=1)}
+    complete = [max((arrived.get(name, len(grads)) for name in names), default=0) for names in members]
+    due = list(itertools.accumulate(complete, max))
+    carried = [e[2] for _, e in reductions]
+    if carried != sizes:
+        k = next(k for k, (got, want) in enumerate(zip(carried, sizes)) if got != want)
+        order = sorted(range(len(sizes)), key=lambda j: (complete[j], j))
+        return (f"all-reduce {k} carried {carried[k]} B, but bucket {k} holds {sizes[k]} B: {timeline}. The "
+                f"buckets were complete in the order {order}, and every rank must start the same all-reduces in "
+                "the same order, whatever order its own hooks fire in: start them in index order, bucket k only "
+                "once buckets 0 to k-1 have started (_launch_ready_buckets(), from self._next on)")
+    early = [k for k in range(len(sizes)) if ready[k] < due[k]]
+    if early:
+        k = early[0]
+        which = f"bucket {k} and the buckets before it were" if k else "bucket 0 was"
+        return (f"all-reduce {k} started after only {ready[k]} of the {len(grads)} gradients, but {which} complete "
+                f"only after {due[k]}: {timeline}. Launch a bucket once its pending count, and every earlier "
+                "bucket's, is 0")
+    late = [k for k in range(len(sizes)) if ready[k] > due[k]]
     if late:
-        return (f"all-reduce(s) {late} started only once every gradient was ready, so they could not overlap "
-                f"with backward: {timeline}. Start each bucket's all-reduce as soon as its last gradient is in")
+        could = ", ".join(str(due[k]) for k in late)
+        head = ("started only once every gradient was ready, so they could not overlap with backward"
+                if all(ready[k] >= len(grads) for k in late) else "started later than their buckets allowed")
+        return (f"all-reduce(s) {late} {head}: {timeline}, but they could start after {could}, when their bucket "
+                "and every bucket before it were complete. Launch in the hook that completes them: _grad_ready "
+                "calls _launch_ready_buckets() after every gradient")
     early = [(e[1], sum(g < i for g in grads)) for i, e in enumerate(events)
              if e[0] == "wait" and sum(g < i for g in grads) < len(grads)]
     if early:
         k, seen = early[0]
         return (f"all-reduce {k}'s handle was waited on after only {seen} of the {len(grads)} gradients, so "
-                "backward stalled there: wait on the handles only in finish(), after the last gradient")
+                "backward stalled there: wait on the handles only in _complete(), which _finish_backward() calls "
+                "after the last gradient")
     unwaited = _unwaited(events[:returned])
     if unwaited:
         return (f"the handle(s) of all-reduce(s) {unwaited} (in the order they started) were never waited on "
                 "before backward() returned: until wait() returns, the sum need not be in the bucket yet, "
-                "whatever it happens to hold on one run. Call wait() on every bucket's handle in finish()")
+                "whatever it happens to hold on one run. Call wait() on every bucket's handle in _complete()")
     return None
