@@ -28,37 +28,30 @@ from exercise_harness import (EXPECTED, assert_released, by_id, failed, grade_an
 NAME = "04_mixed_precision_loss_scaler"
 POINTS = EXPECTED[NAME].points
 
-# update() backs off on an overflow but leaves the count of clean steps where it was.
-NO_RESET = '''
-class DynamicLossScaler(ScalerBase):
-    def step(self, optimizer):
-        if id(optimizer) in self._stepped:
-            raise RuntimeError("stepped twice")
-        if id(optimizer) not in self._found_inf:
-            self.unscale_(optimizer)
-        self._stepped.add(id(optimizer))
-        return None if self._found_inf[id(optimizer)] else optimizer.step()
+SOLUTION = solution_code(NAME)["loss_scaler"]
+BACKOFF = "self._scale = to_fp32(self._scale * self.backoff_factor)"
 
-    def update(self):
-        if not self._found_inf:
-            raise RuntimeError("nothing to update from")
-        if any(self._found_inf.values()):
-            self._set_scale(self._scale * self.backoff_factor)
-        else:
-            self._growth_tracker += 1
-            if self._growth_tracker == self.growth_interval:
-                grown = fp32(self._scale * self.growth_factor)
-                if math.isfinite(grown):
-                    self._set_scale(grown)
-                self._growth_tracker = 0
-        self._found_inf, self._stepped = {}, set()
-'''
+
+def wrong(old: str, new: str) -> str:
+    """The solution's cell with ``old`` (which must be there) replaced by ``new``."""
+    assert old in SOLUTION, f"{old!r} is not in the solution"
+    return SOLUTION.replace(old, new)
+
+
+# _next_scale() backs off on an overflow but leaves the count of clean steps where it was.
+NO_RESET = wrong(f"{BACKOFF}\n            self._growth_tracker = 0\n", f"{BACKOFF}\n")
 
 # Right, and unlike the solution: step() marks the optimizer first and asks for the flag with
-# try/except; update() reads the flags with max(), clears the iteration first, and counts modulo
-# growth_interval.
+# try/except; update() reads the flags with max() and clears the iteration before choosing the next
+# scale; _next_scale() counts modulo growth_interval.
 MODULAR = '''
-class DynamicLossScaler(ScalerBase):
+class DynamicLossScaler(LossScaler):
+    def __init__(self, init_scale=2.0 ** 16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000):
+        super().__init__(init_scale)
+        self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
+        self.growth_interval = growth_interval
+        self._growth_tracker = 0
+
     def step(self, optimizer):
         if id(optimizer) in self._stepped:
             raise RuntimeError("one step() per optimizer in an iteration")
@@ -75,13 +68,16 @@ class DynamicLossScaler(ScalerBase):
         if len(self._found_inf) == 0:
             raise RuntimeError("call step() before update()")
         found, self._found_inf, self._stepped = max(self._found_inf.values()), {}, set()
-        if found:
+        self._next_scale(found)
+
+    def _next_scale(self, found_inf):
+        if found_inf:
             self._growth_tracker = 0
-            self._set_scale(self._scale * self.backoff_factor)
+            self._scale = to_fp32(self._scale * self.backoff_factor)
             return
         self._growth_tracker = (self._growth_tracker + 1) % self.growth_interval
-        if self._growth_tracker == 0 and math.isfinite(fp32(self._scale * self.growth_factor)):
-            self._set_scale(self._scale * self.growth_factor)
+        if self._growth_tracker == 0 and math.isfinite(to_fp32(self._scale * self.growth_factor)):
+            self._scale = to_fp32(self._scale * self.growth_factor)
 '''
 
 
@@ -99,9 +95,13 @@ def scaler_class(body: str, **names):
 # The released notebook
 # --------------------------------------------------------------------------- #
 def test_released_notebook_hides_the_answer_and_gives_the_scaffolding():
-    assert_released(NAME, absent=["self._growth_tracker += 1", '"fp32_rounding"'], stubs={"loss_scaler": 2},
-                    given={"loss_scaler": ["def step(self, optimizer", "def update(self)"],
-                           "scaffold": ["def unscale_(self, optimizer"]})
+    assert_released(NAME, absent=["self._growth_tracker += 1", '"fp32_rounding"'], stubs={"loss_scaler": 3},
+                    given={"setup": ["from dtcourse.mixed_precision import to_fp32"],
+                           "loss_scaler": ["class DynamicLossScaler(LossScaler)", "super().__init__(init_scale)",
+                                           "self._growth_tracker = 0", "def step(self, optimizer",
+                                           "def update(self)", "def _next_scale(self, found_inf"],
+                           "scaffold": ["class LossScaler:", "self._scale = to_fp32(init_scale)",
+                                        "def unscale_(self, optimizer"]})
 
 
 # --------------------------------------------------------------------------- #
@@ -136,51 +136,47 @@ def test_a_scaler_written_unlike_the_solution_gets_full_marks(tmp_path):
 # --------------------------------------------------------------------------- #
 def test_reference_passes_every_case():
     every_case = tuple(checks.mixed_precision.SCALER_CASES)
-    checks.check_loss_scaler(scaler_class(solution_code(NAME)["loss_scaler"]), cases=every_case)
+    checks.check_loss_scaler(scaler_class(SOLUTION), cases=every_case)
 
 
 def test_stepping_despite_an_overflow_is_named():
-    body = solution_code(NAME)["loss_scaler"].replace("return None  # skipped", "return optimizer.step()  # wrong")
+    body = wrong("return None  # skipped", "return optimizer.step()  # wrong")
     with pytest.raises(AssertionError, match=r"(?s)case 'nan' .*step 4: GradScaler skipped optimizer\.step\(\) "
                                              r"\(a gradient was NaN\), but yours called it\."):
         checks.check_loss_scaler(scaler_class(body), cases=("growth", "nan"))
 
 
 def test_a_scale_kept_in_float64_gets_the_rounding_hint():
-    answer = solution_code(NAME)["loss_scaler"]
-    backoff = scaler_class(answer.replace("self._set_scale(self._scale * self.backoff_factor)",
-                                          "self._scale = self._scale * self.backoff_factor"))
+    backoff = scaler_class(wrong(BACKOFF, "self._scale = self._scale * self.backoff_factor"))
     checks.check_loss_scaler(backoff, cases=("growth", "nan", "inf", "defaults"))     # powers of two: exact
     rounding = (r"(?s)case 'fp32_rounding'.*step 6: after update\(\) the scale should be 980\.0999755859375 "
                 r"\(backed off: .*\), yours is 980\.0999999999999\..*hint: yours differs only in rounding")
     with pytest.raises(AssertionError, match=rounding):
         checks.check_loss_scaler(backoff, cases=("fp32_rounding",))
-    growth = scaler_class(answer.replace("grown = fp32(self._scale * self.growth_factor)",
-                                         "grown = self._scale * self.growth_factor"))
-    overflow = (r"step 0: after update\(\) the scale should be 1\.70\d+e\+38 \(unchanged: the count of "
+    growth = scaler_class(wrong("grown = to_fp32(self._scale * self.growth_factor)",
+                                "grown = self._scale * self.growth_factor"))
+    overflow = (r"(?s)step 0: after update\(\) the scale should be 1\.70\d+e\+38 \(unchanged: the count of "
                 r"clean steps reached growth_interval \(1\), but the grown scale would be inf in fp32.*\), "
-                r"yours is inf\.")
+                r"yours is 3\.40\d+e\+38\..*hint: yours is not a float32 value")   # 2^128: finite in float64 only
     with pytest.raises(AssertionError, match=overflow):
         checks.check_loss_scaler(growth, cases=("growth_overflow",))
 
 
 def test_unscaling_twice_and_missing_refusals_are_named():
-    answer = solution_code(NAME)["loss_scaler"]
-    twice = answer.replace("if key not in self._found_inf:\n            self.unscale_(optimizer)",
+    twice = wrong("if key not in self._found_inf:\n            self.unscale_(optimizer)",
                            "self._found_inf.pop(key, None)\n        self.unscale_(optimizer)")   # unscale again
     complaint = (r"(?s)case 'unscale_first' .*step 0: after step\(\) your parameters differ from GradScaler's "
                  r"by up to .*unscaled exactly once")
     with pytest.raises(AssertionError, match=complaint):
         checks.check_loss_scaler(scaler_class(twice), cases=("unscale_first",))
-    lenient = answer.replace('raise RuntimeError("step() was', 'print("step() was')
+    lenient = wrong('raise RuntimeError("step() was', 'print("step() was')
     complaint = r"step\(\) called twice before update\(\) should raise RuntimeError, but yours returned normally"
     with pytest.raises(AssertionError, match=complaint):
         checks.check_loss_scaler(scaler_class(lenient), cases=("misuse",))
 
 
 def test_an_endless_update_fails_after_the_timeout():
-    body = solution_code(NAME)["loss_scaler"].replace("self._found_inf, self._stepped = {}, set()",
-                                                  "while True:\n            pass")
+    body = wrong("self._found_inf, self._stepped = {}, set()", "while True:\n            pass")
     start = time.monotonic()
     complaint = r"DynamicLossScaler did not finish within 2 s: .*case 'growth'.*step 0"
     with pytest.raises(AssertionError, match=complaint):
@@ -190,39 +186,35 @@ def test_an_endless_update_fails_after_the_timeout():
 
 def test_unknown_cases_are_refused():
     with pytest.raises(ValueError, match="cases must be among"):
-        checks.check_loss_scaler(scaler_class(solution_code(NAME)["loss_scaler"]), cases=("nope",))
-
-
-SOLUTION = solution_code(NAME)["loss_scaler"]
+        checks.check_loss_scaler(scaler_class(SOLUTION), cases=("nope",))
 
 
 @pytest.mark.parametrize("old, new, case, named", [
-    ("self._set_scale(self._scale * self.backoff_factor)", "pass", "nan",
+    (BACKOFF, "pass", "nan",
      "keeps the scale when a step overflows, instead of multiplying it by backoff_factor"),
-    ("self._set_scale(self._scale * self.backoff_factor)", "self._set_scale(self._scale / self.backoff_factor)", "nan",
+    (BACKOFF, "self._scale = to_fp32(self._scale / self.backoff_factor)", "nan",
      "divides the scale by backoff_factor at a back-off instead of multiplying by it"),
     ("if self._growth_tracker == self.growth_interval:", "if self._growth_tracker > self.growth_interval:", "growth",
      "grows one step late, after growth_interval \\+ 1 clean steps"),
-    ("if any(self._found_inf.values()):", "if list(self._found_inf.values())[-1]:", "two_optimizers",
+    ("self._next_scale(any(self._found_inf.values()))", "self._next_scale(list(self._found_inf.values())[-1])",
+     "two_optimizers",
      "looks only at the last optimizer's gradients: it must back off when any optimizer's gradients held an inf"),
 ])
 def test_wrong_update_rules_are_named(old, new, case, named):
-    assert old in SOLUTION
     with pytest.raises(AssertionError, match=rf"(?s)case '{case}'.*after update\(\) the scale should be .*Every scale of "
                                              rf"yours so far is exactly what a scaler gets that {named}"):
-        checks.check_loss_scaler(scaler_class(SOLUTION.replace(old, new)), cases=(case,))
+        checks.check_loss_scaler(scaler_class(wrong(old, new)), cases=(case,))
 
 
 def test_stepping_on_scaled_gradients_is_named():
     unscale = "if key not in self._found_inf:\n            self.unscale_(optimizer)"
-    assert unscale in SOLUTION
     checked_only = ("if key not in self._found_inf:\n            self._found_inf[key] = not all(\n"
                     "                bool(torch.isfinite(p.grad).all()) for group in optimizer.param_groups\n"
                     "                for p in group['params'] if p.grad is not None)")
     with pytest.raises(AssertionError, match=r"(?s)case 'growth'.*step 0: after step\(\) your parameters differ from "
                                              r"GradScaler's by up to .*optimizer\.step\(\) ran on gradients still "
                                              r"multiplied by the scale \(65536\): step\(\) must unscale them first"):
-        checks.check_loss_scaler(scaler_class(SOLUTION.replace(unscale, checked_only)), cases=("growth",))
+        checks.check_loss_scaler(scaler_class(wrong(unscale, checked_only)), cases=("growth",))
 
 
 # --------------------------------------------------------------------------- #
@@ -257,7 +249,7 @@ def test_the_course_scaler_imported_or_subclassed_is_refused_before_it_runs():
 
     with pytest.raises(AssertionError, match=r"DynamicLossScaler is dtcourse.mixed_precision.DynamicLossScaler, the "
                                              r"course's own answer to exercise 04, which refuses to run while the "
-                                             r"exercise's checks run: subclass ScalerBase"):
+                                             r"exercise's checks run: subclass the LossScaler that the exercise's scaffold cell defines"):
         checks.check_loss_scaler(DynamicLossScaler)
     with pytest.raises(AssertionError, match=r"Inherited subclasses dtcourse.mixed_precision.DynamicLossScaler"):
         checks.check_loss_scaler(Inherited)
@@ -270,7 +262,7 @@ def test_the_course_scaler_imported_or_subclassed_is_refused_before_it_runs():
                 r"exercise 04, and it refuses to run"),
     (GradScalerInside, r"ReferenceRefused: torch\.amp\.GradScaler is what your scaler is compared with, so it "
                        r"refuses to run for your code"),
-    (scaler_class(SOLUTION.replace("return optimizer.step()", "return mp.LossScaler.step(self, optimizer)"), mp=mp),
+    (scaler_class(wrong("return optimizer.step()", "return mp.LossScaler.step(self, optimizer)"), mp=mp),
      r"ReferenceRefused: dtcourse\.mixed_precision\.LossScaler\.step is the course's own answer to exercise 04"),
 ])
 def test_a_scaler_that_calls_the_course_or_gradscaler_is_refused(scaler, refused):

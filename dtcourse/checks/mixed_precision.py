@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from dtcourse.checks.common import _as_student, _check_names, _launch_check
 from dtcourse.checks.guard import Answers, watching
-from dtcourse.mixed_precision import LossScaler
+from dtcourse.mixed_precision import LossScaler, to_fp32
 from dtcourse.runtime.refuse import ReferenceRefused
 
 __all__ = ["check_loss_scaler", "SCALER_CASES"]
@@ -39,7 +39,7 @@ INF, NAN = math.inf, math.nan
 ANSWERS = Answers("04", course=tuple(f"dtcourse.mixed_precision.{name}" for name in (
     "LossScaler", "LossScaler.step", "LossScaler.update", "DynamicLossScaler", "DynamicLossScaler._next_scale")),
     library={"torch.amp.GradScaler is what your scaler is compared with, so it refuses to run for your code while "
-             "exercise 04's checks run: write step() and update() yourself":
+             "exercise 04's checks run: write step(), update() and _next_scale() yourself":
              (*(f"torch.amp.GradScaler.{name}" for name in ("__init__", "scale", "unscale_", "step", "update")),
               "torch._amp_update_scale_")})
 
@@ -103,8 +103,8 @@ def _refuse_the_course_scaler(cls: Callable) -> None:
         which = "is" if cls is course else "subclasses"
         raise ReferenceRefused(
             f"{cls.__name__} {which} dtcourse.mixed_precision.{course.__name__}, the course's own answer to exercise "
-            "04, which refuses to run while the exercise's checks run: subclass ScalerBase, as the exercise's cell "
-            "does, and write step() and update() yourself.")
+            "04, which refuses to run while the exercise's checks run: subclass the LossScaler that the exercise's "
+            "scaffold cell defines (not the library's), and write step(), update() and _next_scale() yourself.")
 
 
 def _scaler_rank(cls: Callable, cases: tuple[str, ...], progress: str) -> list:
@@ -221,20 +221,20 @@ class _Rule:
 
     def scales(self, kwargs: dict, history: list[list[bool]]) -> list[float]:
         """The scale after each update(), for the skipped-or-not flags of each optimizer in ``history``."""
-        fp32 = lambda x: torch.tensor(x, dtype=torch.float32).item()       # noqa: E731
-        scale, tracker, out = fp32(kwargs.get("init_scale", 2.0 ** 16)), 0, []
+        scale, tracker, out = to_fp32(kwargs.get("init_scale", 2.0 ** 16)), 0, []
         growth, backoff = kwargs.get("growth_factor", 2.0), kwargs.get("backoff_factor", 0.5)
         interval = kwargs.get("growth_interval", 2000)
         for flags in history:
             if any(flags) if self.any_optimizer else flags[-1]:
-                scale = {"multiply": fp32(scale * backoff), "divide": fp32(scale / backoff), "none": scale}[self.backoff]
+                scale = {"multiply": to_fp32(scale * backoff), "divide": to_fp32(scale / backoff),
+                         "none": scale}[self.backoff]
                 tracker = tracker + 1 if self.count_overflow else 0 if self.reset_on_backoff else tracker
             else:
                 tracker += 1
                 grows = {"==": tracker == interval, ">": tracker == interval + 1, "early": tracker == interval - 1,
                          ">=": tracker >= interval}[self.grow_at]
                 if grows:
-                    grown = fp32(scale * growth)
+                    grown = to_fp32(scale * growth)
                     scale = grown if math.isfinite(grown) else scale
                     tracker = 0 if self.reset_on_growth else tracker
             out.append(scale)
@@ -282,9 +282,10 @@ def _scale_message(step: int, case: _ScalerCase, previous: float, want: float, g
                f"    scales after each update, from step {shown.start}:\n"
                f"      GradScaler {expected[shown]}\n"
                f"      yours      {yours[shown]}")
-    if isinstance(got, float) and got != want and torch.tensor(got, dtype=torch.float32).item() == want:
-        message += ("\n    hint: yours differs only in rounding: GradScaler keeps its scale in fp32. Store a new "
-                    "scale with self._set_scale(...), and test a grown one with math.isfinite(fp32(...)).")
+    if isinstance(got, float) and not math.isnan(got) and to_fp32(got) != got:     # a float64 scale, not fp32
+        how = "differs only in rounding" if to_fp32(got) == want else "is not a float32 value"
+        message += (f"\n    hint: yours {how}: GradScaler keeps its scale in fp32. Store a new scale as "
+                    "self._scale = to_fp32(...), and test a grown one with math.isfinite(to_fp32(...)).")
     named = [what for rule, what in _MISTAKES if rule.scales(case.kwargs, history) == yours]
     if named:
         message += ("\n    Every scale of yours so far is exactly what a scaler gets that "
