@@ -201,6 +201,42 @@ def test_a_table_of_the_listed_cases_fails_the_pairs_drawn_as_the_check_runs():
         checks.check_1f1b_order(from_table, cases=("large",))
 
 
+WHOLE_RANGE_TABLE = '''
+from dtcourse.pipeline import schedules as course
+TABLE = {(p, m): course.one_f_one_b(p, m) for p in range(1, 13) for m in range(1, 41)}   # before any check runs
+
+
+def one_f_one_b(p: int, m: int) -> dict[int, list[Action]]:
+    return TABLE[(p, m)]
+'''
+
+
+def test_a_table_of_every_drawable_pair_passes_but_is_flagged_with_its_cell(tmp_path):
+    """The course's generator run before the checks start is not switched off, and a table of the whole range the
+    checks draw from answers every pair: the points stand, and the grader lists the cell for the instructor."""
+    report = grade_answers(NAME, tmp_path, dict(solution_code(NAME), one_f_one_b=WHOLE_RANGE_TABLE))
+    assert report.exit_code == 1, str(report)
+    uses = [line for line in report.flagged if "uses dtcourse.pipeline.schedules.one_f_one_b, the course's own answer "
+            "to exercise 08" in line]
+    assert len(uses) == 1 and "(the cell that begins 'from dtcourse.pipeline import schedules as course'), line 3" \
+        in uses[0], report.flagged
+    assert "Flagged for the instructor" in str(report)
+
+
+def test_a_student_who_names_no_answer_is_not_flagged(tmp_path):
+    from dtcourse.grading.uses import answer_uses
+    import nbformat
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(solution_code(NAME)["one_f_one_b"]),
+                                         nbformat.v4.new_code_cell("from dtcourse.pipeline import validate, simulate\n"
+                                                                   "import dtcourse.pipeline.schedules as s\n"
+                                                                   "s.gpipe(3, 4)")])
+    assert answer_uses(nb, "08") == []
+    nb.cells.append(nbformat.v4.new_code_cell("x = s.build('1f1b', 3, 4)\ny = s.SCHEDULES['1f1b']"))
+    found = [str(f) for f in answer_uses(nb, "08")]
+    assert len(found) == 2 and "uses dtcourse.pipeline.schedules.build, which reaches dtcourse.pipeline.schedules." \
+        "one_f_one_b" in found[0] and "uses dtcourse.pipeline.schedules.SCHEDULES" in found[1], found
+
+
 def test_gpipe_order_runs_but_holds_every_micro_batch():
     checks.check_1f1b_valid(gpipe_order)
     with pytest.raises(AssertionError) as info:

@@ -52,7 +52,7 @@ from pathlib import Path
 import nbformat
 from nbclient import NotebookClient
 
-from dtcourse.grading import RECEIPTS, audit, exercises
+from dtcourse.grading import RECEIPTS, audit, exercises, uses
 from dtcourse.grading.report import Check, Report
 
 DEFAULT_CELL_TIMEOUT = 300.0  # seconds; each check bounds itself far below this
@@ -96,6 +96,7 @@ def grade_notebook(path: str | os.PathLike, source: str | os.PathLike | None = N
         return report
     report.notes += _restore(nb, nbformat.from_dict(stored))
     report.flagged = [str(f) for f in audit.audit_notebook(nb)]
+    report.flagged += [str(f) for f in uses.answer_uses(nb, source.stem.split("_")[0])]
 
     executed: set[int] = set()
     started: set[int] = set()          # cells the kernel began; none: it died while starting (KERNEL_STARTS)
