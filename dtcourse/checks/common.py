@@ -30,10 +30,11 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroup
 
-from dtcourse.checks.guard import COLLECTIVE_METHODS, _refuse_copies, course_answer
+from dtcourse.checks.guard import _refuse_copies, course_answer
 from dtcourse.checks.messages import Hint, hints_once
 from dtcourse.runtime.refuse import ReferenceRefused, is_library_file
 from dtcourse.runtime.launch import LaunchError, LaunchTimeout, RankError, launch
+from dtcourse.runtime.observe import listening
 from dtcourse.runtime.processes import frames
 
 
@@ -220,28 +221,6 @@ def _as_student(progress: str, call: Callable) -> object:
         raise
 
 
-@contextmanager
-def _noting_calls(methods: Iterable[str], note: Callable[[str, ProcessGroup, tuple], None]) -> Iterator[None]:
-    """Each of ``ProcessGroup``'s ``methods`` calls ``note(method, group, args)`` first, then runs as usual."""
-    saved = {}
-
-    def make(method: str, raw: object) -> Callable:
-        def call(pg, *args, **kwargs):
-            note(method, pg, args)
-            return raw.__get__(pg, ProcessGroup)(*args, **kwargs)
-        return call
-
-    for method in methods:
-        if method in ProcessGroup.__dict__:
-            saved[method] = ProcessGroup.__dict__[method]
-            setattr(ProcessGroup, method, make(method, saved[method]))
-    try:
-        yield
-    finally:
-        for method, raw in saved.items():
-            setattr(ProcessGroup, method, raw)
-
-
 # --------------------------------------------------------------------------- #
 # Groups side by side: a case, and this rank in it with every collective its code starts
 # --------------------------------------------------------------------------- #
@@ -300,9 +279,9 @@ class _GroupPlace:
     def recording(self) -> Iterator[None]:
         """Inside ``watching``: every collective and send of the process groups, logged by ``_call``."""
         def note(method: str, pg: ProcessGroup, args: tuple) -> None:
-            if self.phase is not None:
+            if self.phase is not None and method != "recv":
                 self.calls.append(self._call(method, pg, args))
-        with _noting_calls((*COLLECTIVE_METHODS, "send"), note):
+        with listening(note):
             yield
 
     def group_hint(self) -> str:

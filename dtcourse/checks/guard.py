@@ -13,9 +13,10 @@ Inside the block:
   PyTorch's where it has one (``torch.utils.checkpoint`` in both forms, ``DistributedDataParallel``,
   ``torch.amp.GradScaler``), each switched off where it is looked up at every call;
 * with ``p2p_only``, every collective of the process group raises when the student's code calls
-  it. The guard sits on the ``ProcessGroup`` methods that ``torch.distributed``'s functions call,
-  so a reference to ``dist.all_reduce`` saved before the check, or one taken through
-  ``torch.distributed.distributed_c10d``, is caught as well;
+  it. The guard listens to the course's one observer of communication
+  (``dtcourse.runtime.observe.listening``), which sits on the ``ProcessGroup`` methods that
+  ``torch.distributed``'s functions call, so a reference to ``dist.all_reduce`` saved before the
+  check, or one taken through ``torch.distributed.distributed_c10d``, is caught as well;
 * every point-to-point message (``send``/``recv`` on the process group, which ``isend``,
   ``irecv``, ``send``, ``recv`` and ``batch_isend_irecv`` all reach) and every collective is
   recorded, with its peer or name and its bytes, so a check can test who talks to whom and how
@@ -40,7 +41,7 @@ from typing import Callable, Iterator, Mapping
 import torch
 from torch._C._distributed_c10d import ProcessGroup
 
-from dtcourse.runtime.observe import COLLECTIVE_METHODS, patched
+from dtcourse.runtime.observe import COLLECTIVE_METHODS, listening
 from dtcourse.runtime.refuse import (ReferenceRefused, is_library_file, is_student_class, original_code,
                                      refuse_if_student, refusing, switched_off)
 
@@ -218,23 +219,19 @@ def _nbytes(tensors) -> int:
     return 0
 
 
-def _collective(name: str, original: Callable, watch: Watch, p2p_only: bool, boundary: FrameType) -> Callable:
-    def call(self, *args, **kwargs):
+def _noter(watch: Watch, p2p_only: bool, boundary: FrameType) -> Callable[[str, ProcessGroup, tuple], None]:
+    """What ``watching`` notes of each process-group call (through ``dtcourse.runtime.observe.listening``)."""
+    def note(name: str, group: ProcessGroup, args: tuple) -> None:
+        if name in ("send", "recv"):                       # (tensors, peer, ...)
+            (watch.sent if name == "send" else watch.received).append((int(args[1]), _nbytes(args[0])))
+            return
         if p2p_only:
             refuse_if_student(
                 f"your code called a collective ({name} on the process group, which torch.distributed's "
                 "collectives call); build it from point-to-point messages only (isend/irecv, send/recv or "
                 "batch_isend_irecv)", boundary)
         watch.collectives.append((name, _nbytes(args[:2])))
-        return original(self, *args, **kwargs)
-    return call
-
-
-def _point_to_point(log: list, original: Callable) -> Callable:
-    def call(self, tensors, peer, *args, **kwargs):
-        log.append((int(peer), _nbytes(tensors)))
-        return original(self, tensors, peer, *args, **kwargs)
-    return call
+    return note
 
 
 @contextmanager
@@ -245,11 +242,5 @@ def watching(answers: Answers | None = None, p2p_only: bool = False) -> Iterator
     with ExitStack() as stack:
         if answers is not None:
             stack.enter_context(answers.switched_off(boundary))
-        for name in COLLECTIVE_METHODS:
-            if name in ProcessGroup.__dict__:
-                stack.enter_context(patched(ProcessGroup, name, lambda original, n=name: _collective(
-                    n, original, watch, p2p_only, boundary)))
-        stack.enter_context(patched(ProcessGroup, "send", lambda original: _point_to_point(watch.sent, original)))
-        stack.enter_context(patched(ProcessGroup, "recv",
-                                    lambda original: _point_to_point(watch.received, original)))
+        stack.enter_context(listening(_noter(watch, p2p_only, boundary)))
         yield watch

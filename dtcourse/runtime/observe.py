@@ -40,8 +40,8 @@ from typing import Callable, ClassVar, Iterator
 import torch
 from torch._C._distributed_c10d import ProcessGroup
 
-__all__ = ["Record", "Records", "CommLog", "observe", "label", "labelled", "COLLECTIVE_METHODS", "POINT_TO_POINT_METHODS",
-           "patched"]
+__all__ = ["Record", "Records", "CommLog", "observe", "listening", "label", "labelled", "COLLECTIVE_METHODS",
+           "POINT_TO_POINT_METHODS", "patched"]
 
 COLLECTIVE_METHODS = ("allreduce", "allreduce_coalesced", "allgather", "allgather_coalesced", "_allgather_base",
                       "allgather_into_tensor_coalesced", "reduce_scatter", "_reduce_scatter_base",
@@ -230,6 +230,8 @@ def _observed(name: str, original: Callable) -> Callable:
     def call(self, *args, **kwargs):
         if not _LOGS:
             return original(self, *args, **kwargs)
+        for note in list(_LISTENERS):       # a check's view of the call, before it runs (it may refuse it)
+            note(name, self, args)
         tensors = _input_tensors(name, args)
         peer = int(args[1]) if name in POINT_TO_POINT_METHODS and len(args) > 1 else None
         record = Record(name, self.size(), self.rank(), peer, sum(t.numel() for t in tensors),
@@ -262,6 +264,7 @@ def patched(cls: type, name: str, make: Callable[[Callable], Callable]) -> Itera
 
 
 _PATCH_LOCK = threading.Lock()
+_LISTENERS: list[Callable[[str, ProcessGroup, tuple], None]] = []   # listening() blocks' callbacks
 _PATCHES: list[ExitStack] = []              # the ProcessGroup patch, held while any observe() block is open
 
 
@@ -285,3 +288,15 @@ def observe() -> Iterator[CommLog]:
             if not _LOGS:
                 _PATCHES.pop().close()
                 _LOCAL.spans = [span for span in getattr(_LOCAL, "spans", ()) if span[1] is None]
+
+
+@contextmanager
+def listening(note: Callable[[str, ProcessGroup, tuple], None]) -> Iterator[CommLog]:
+    """``observe()``, and ``note(method, group, args)`` before each call runs: the exercise checks' view, which
+    looks at the call's own arguments (the group it was made on, its splits) and may refuse it by raising."""
+    with observe() as log:
+        _LISTENERS.append(note)
+        try:
+            yield log
+        finally:
+            _LISTENERS.remove(note)
