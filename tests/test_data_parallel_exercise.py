@@ -215,9 +215,8 @@ def test_wrong_bucket_rule_and_a_sum_fail_only_their_own_checks(tmp_path):
     assert "reach cap_bytes (>=)" in message, message
     visible, hidden = result["check_parity"].message, result["check_parity_hidden"].message
     assert "OverlappedDDP is wrong at world size 2 in case 'mlp'" in visible, visible
-    for rank in (0, 1):
-        assert re.search(rf"rank {rank}: step 1, parameter 'net\.0\.weight' \(13, 7\): .grad differs "
-                         r"from the mean gradient over all ranks by up to \S+", visible), visible
+    assert re.search(r"ranks 0 and 1: step 1, parameter 'net\.0\.weight' \(13, 7\): .grad differs "   # the same on both
+                     r"from the mean gradient over all ranks by up to \S+", visible), visible
     assert "It is N = 2 times the mean" in visible and "divide by the world size" in visible, visible
     assert "world size 3" in hidden and "It is N = 3 times the mean" in hidden, hidden
 

@@ -170,11 +170,11 @@ def _launch_check(label: str, world_size: int, rank_fn: Callable, args: tuple, t
             raise AssertionError(f"{label} crashed a rank{where}: {err}") from None
     failures = [(rank, result) for rank, result in enumerate(results) if result]
     if failures:
-        same: dict[str, list[int]] = {}       # three or more ranks that found exactly the same: one line for them
+        same: dict[str, list[int]] = {}       # ranks that found exactly the same: one line for them
         for rank, (_, message) in failures:
             same.setdefault(message, []).append(rank)
-        rows = [(ranks, message) for message, ranks in same.items() if len(ranks) >= 3]
-        rows += [([rank], message) for rank, (_, message) in failures if len(same[message]) < 3]
+        rows = [(ranks, message) for message, ranks in same.items() if len(ranks) >= 2]
+        rows += [([rank], message) for rank, (_, message) in failures if len(same[message]) < 2]
         rows.sort(key=lambda row: row[0][0])
         lines = [f"{_ranks(ranks)}: {message}" for ranks, message in rows[:4]]
         if world_size == 1:

@@ -125,9 +125,11 @@ def _student(fn: Callable, progress: str, *args: Any) -> Any:
             return _as_student(progress, lambda: fn(*args))
     except Exception:
         rank, stop = dist.get_rank(), Path(progress, "stop")
-        if not stop.exists():
-            stop.write_text(json.dumps({"rank": rank, "note": _read(Path(progress, str(rank))),
-                                        "error": _read(Path(progress, f"{rank}.error"))}))
+        tmp = Path(progress, f".stop-{rank}")
+        tmp.write_text(json.dumps({"rank": rank, "note": _read(Path(progress, str(rank))),
+                                   "error": _read(Path(progress, f"{rank}.error"))}))
+        with contextlib.suppress(FileExistsError):   # the first rank's, whole: a link is made at once or not at all
+            os.link(tmp, stop)                         # (several ranks fail together; one may be read mid-write)
         raise
 
 
