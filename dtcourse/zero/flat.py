@@ -70,6 +70,7 @@ class FlatShard:
             self.master = nn.Parameter(self.shard if dtype == exact.dtype else exact[lo:hi].clone())
         self.grad: torch.Tensor | None = None                     # the reduced gradient of the part (set by ZeRO)
         self.grad_full: torch.Tensor | None = None                # stages 0-1: autograd accumulates into it
+        self.unreduced: torch.Tensor | None = None                # stages 2-3 under no_sync(): (N·s,) summed
         self.ready = 0                                            # parameters whose gradient arrived this backward
         self._empty = torch.empty(0, dtype=dtype, device=device)
         if keep_full:

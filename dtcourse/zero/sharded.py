@@ -24,6 +24,15 @@ next (forward order, or reversed in backward) is issued asynchronously and overl
 compute. ``reshard_after_forward=False`` keeps each unit gathered from its forward to its
 backward: stage 2's parameter memory with stage 3's structure, and 2Ψ(N-1)/N bytes.
 
+Gradient accumulation: several forward/backward passes (micro-batches) before one ``step()``, each
+loss divided by their number, as with ``torch.nn.parallel.DistributedDataParallel``. By default every
+backward reduces what it produced and the reduced parts add up (stage 2-3: ``(N-1)/N·Ψ`` sent per
+micro-batch, a rank holds ``Ψ/N`` gradients); under ``no_sync()`` (FSDP2's
+``set_requires_gradient_sync(False)``) a backward only adds to full, unreduced gradients kept on the rank
+(``Ψ`` of them), and the next synchronised backward reduces the sum once. Stages 0-1 keep full gradients
+anyway, so ``no_sync()`` costs them no memory; stage 2-3 trade ``Ψ(N-1)/N`` bytes of memory for
+``(M-1)·Ψ(N-1)/N`` bytes of traffic.
+
 Mixed precision is lesson 04's copy recipe, sharded: ``precision=Recipe(torch.bfloat16)``
 computes with 16-bit parameters, steps fp32 masters of this rank's part, and ``reduce_dtype``
 chooses the dtype the gradients are summed in (default: the compute dtype)::
@@ -35,7 +44,8 @@ chooses the dtype the gradients are summed in (default: the compute dtype)::
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -102,7 +112,9 @@ class ZeRO(nn.Module):
         self._order = [u for u in self.units if u.name != ROOT]     # forward order: declared, then as run
         self._ran: list[Unit] = []
         self._in_backward = self._has_grads = False
+        self._sync, self._rescaled = True, False  # reduce at each backward; stage 1's parts made ready to add to
         self._arrived: set[int] = set()
+        self._reduced: set[int] = set()           # ids of the flats reduced since zero_grad (their grads add up)
         self._reductions: list[tuple[FlatShard, Handle, torch.Tensor, torch.Tensor]] = []
         self._now = {"gathered": 0, "buckets": 0}
         self._peak = dict(self._now)
@@ -126,6 +138,8 @@ class ZeRO(nn.Module):
         if self.stage <= 1:
             for flat in self._flats(trainable=True):
                 flat.attach_grad_views()          # again, in case someone set p.grad to None
+            if self.stage == 1 and self._grad_is_view and self._reduced and not self._rescaled:
+                self._ready_to_add()
         if self.stage == 3:
             for unit in self.units:
                 self._reshard(unit)               # left gathered by a forward that had no backward
@@ -185,10 +199,6 @@ class ZeRO(nn.Module):
     def _backward_starts(self) -> None:
         if self._in_backward:
             return
-        if self._has_grads:
-            raise RuntimeError("ZeRO: backward() again before zero_grad(). Gradients are reduced once per "
-                               "backward, so accumulating several backwards is not supported: call step() and "
-                               "zero_grad() after each backward, or add the micro-batches' losses first.")
         self._in_backward = True
         torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
@@ -197,7 +207,10 @@ class ZeRO(nn.Module):
         self._arrived.add(id(p))
         flat.ready += 1
         if self.stage >= 2 and flat.ready == len(flat.params):
-            self._reduce(unit, flat)
+            if not self._sync:                  # no_sync(): add to this flat's full, unreduced gradient
+                self._keep_unreduced(flat)
+            else:
+                self._reduce(unit, flat)
             if self.stage == 3 and all(f.trainable and f.ready == len(f.params) for f in unit.flats):
                 self._reshard(unit)   # nothing needs its parameters now (a frozen one may: kept to the end)
 
@@ -207,13 +220,18 @@ class ZeRO(nn.Module):
             bucket = flat.grad_full if self._grad_is_view else flat.grad_full.to(self.reduce_dtype)
         else:                                   # stages 2-3: the unit's gradients, moved out of p.grad
             bucket = flat.gradient_bucket(self.reduce_dtype)                   # (N·s,)
+            if flat.unreduced is not None:      # plus what the micro-batches under no_sync() added up
+                bucket += flat.unreduced
+                self._count("buckets", -flat.unreduced.nbytes)
+                flat.unreduced = None
         if bucket is not flat.grad_full:
             self._count("buckets", bucket.nbytes)
         with label(unit.name):
             if self.stage == 0:                 # sends 2(N-1)/N * bucket.nbytes
                 out, handle = bucket, self.comm.all_reduce(bucket, self._async)
             else:                               # sends (N-1)/N * bucket.nbytes; out may not alias bucket
-                out = torch.empty_like(flat.grad) if self._grad_is_view else flat.grad
+                adds = self.stage >= 2 and id(flat) in self._reduced     # a later micro-batch: adds to flat.grad
+                out = torch.empty_like(flat.grad) if self._grad_is_view or adds else flat.grad
                 handle = self.comm.reduce_scatter(out, bucket, self._async)
         self._reductions.append((flat, handle, bucket, out))
         while self.stage >= 2 and len(self._reductions) > 1:
@@ -221,9 +239,13 @@ class ZeRO(nn.Module):
 
     def _complete(self, flat: FlatShard, handle: Handle, bucket: torch.Tensor, out: torch.Tensor) -> None:
         handle.wait()
-        if out.data_ptr() != flat.grad.data_ptr():
-            flat.grad.copy_(out)
-        flat.grad.div_(self.world)              # sum -> mean over ranks
+        if self.stage >= 2 and id(flat) in self._reduced:
+            flat.grad.add_(out.div_(self.world))    # this micro-batch's mean, added to the earlier ones'
+        else:
+            if out.data_ptr() != flat.grad.data_ptr():
+                flat.grad.copy_(out)
+            flat.grad.div_(self.world)          # sum -> mean over ranks
+        self._reduced.add(id(flat))
         if bucket is not flat.grad_full:
             self._count("buckets", -bucket.nbytes)
 
@@ -233,7 +255,11 @@ class ZeRO(nn.Module):
             for unit in self.units:
                 for flat in unit.flats:       # stages 0-1: everything; 2-3: units some gradient skipped
                     if flat.trainable and (self.stage <= 1 or flat.ready < len(flat.params)):
-                        self._reduce(unit, flat)   # so that every rank runs the same collectives
+                        if not self._sync:
+                            if self.stage >= 2:
+                                self._keep_unreduced(flat)
+                        else:
+                            self._reduce(unit, flat)   # so that every rank runs the same collectives
             while self._reductions:
                 self._complete(*self._reductions.pop(0))
             for unit in self.units:
@@ -246,7 +272,9 @@ class ZeRO(nn.Module):
                     "stepped as one tensor, where a missing gradient could only be a zero one, which AdamW "
                     "would still decay and count, unlike torch, which skips it. Use them in forward, or freeze "
                     "them with requires_grad_(False) before wrapping.")
-            self._has_grads = True
+            self._has_grads = self._has_grads or self._sync
+            if self._sync:
+                self._rescaled = False
         finally:
             self._in_backward = False
             self._arrived.clear()
@@ -260,7 +288,8 @@ class ZeRO(nn.Module):
         """Step this rank's fp32 master part with its reduced gradient; refresh the 16-bit parameters."""
         if not self._has_grads:
             raise RuntimeError("ZeRO.step(): there is no reduced gradient to step with. Run a forward through "
-                               "this ZeRO wrapper and loss.backward() first (and zero_grad() after each step).")
+                               "this ZeRO wrapper and loss.backward() first (and zero_grad() after each step); "
+                               "with gradient accumulation, run the last micro-batch's backward outside no_sync().")
         for flat in self._flats(trainable=True):
             flat.master.grad = flat.grad if flat.grad.dtype == torch.float32 else flat.grad.float()
         self.optimizer.step()
@@ -281,8 +310,57 @@ class ZeRO(nn.Module):
         for flat in self._flats(trainable=True):
             if flat.grad_full is not None:
                 flat.grad_full.zero_()
+            if flat.unreduced is not None:
+                self._count("buckets", -flat.unreduced.nbytes)
+                flat.unreduced = None
             flat.master.grad = None
-        self._has_grads = False
+        self._has_grads = self._rescaled = False
+        self._reduced.clear()
+
+    # ------------------------------------------------------------------ #
+    # Gradient accumulation: micro-batches before one step
+    # ------------------------------------------------------------------ #
+    def set_requires_gradient_sync(self, sync: bool) -> None:
+        """Whether the next backwards reduce their gradients (FSDP2's switch); ``no_sync()`` sets it for a block."""
+        self._sync = bool(sync)
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backwards in this block only add to full, unreduced gradients; the next backward outside it reduces
+        their sum once (DDP's ``no_sync``)::
+
+            for x, y in micro_batches[:-1]:
+                with model.no_sync():
+                    (loss_fn(model(x), y) / m).backward()
+            (loss_fn(model(x_last), y_last) / m).backward(); model.step(); model.zero_grad()
+        """
+        before = self._sync
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = before
+
+    def _keep_unreduced(self, flat: FlatShard) -> None:
+        """Stages 2-3 under no_sync(): move this backward's gradients of ``flat`` into its unreduced sum (N·s,)."""
+        bucket = flat.gradient_bucket(self.reduce_dtype)
+        if flat.unreduced is None:
+            flat.unreduced = bucket
+            self._count("buckets", bucket.nbytes)
+        else:
+            flat.unreduced += bucket
+
+    def _ready_to_add(self) -> None:
+        """Stage 1 reduced into its full gradient buffer already this step (its part is a view of it), and autograd
+        will add the next micro-batch's gradients to that buffer: this rank's part becomes N times its mean and the
+        other parts 0, so that the next reduce-scatter, divided by N, gives the earlier mean plus the new one."""
+        with torch.no_grad():
+            for flat in self._flats(trainable=True):
+                lo, hi = flat.owned
+                flat.grad_full[lo:hi].mul_(self.world)
+                flat.grad_full[:lo].zero_()
+                flat.grad_full[hi:].zero_()
+        self._rescaled = True
 
     # ------------------------------------------------------------------ #
     # Looking at it: full tensors, memory, and the parity harness's protocol
