@@ -53,7 +53,7 @@ __all__ = ["PipelineExecutor", "PipelineParallel", "run_schedule", "rank_actions
 
 SPAN_KINDS = {"F": "forward", "B": "backward", "I": "backward_input", "W": "backward_weight",
               "SEND_F": "send", "SEND_B": "send", "RECV_F": "recv", "RECV_B": "recv", "wait": "wait",
-              STEP: "optimizer"}
+              STEP: "optimizer", "REDUCE_GRAD": "reduce"}
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 BoundaryShape = Callable[[int, torch.Tensor], Sequence[int]]   # (stage, micro-batch input) -> its input's shape
 
@@ -144,6 +144,17 @@ class PipelineExecutor:
             raise ValueError(f"rank {self.rank}'s list has optimizer steps ({[str(a) for a in actions if a.kind == STEP]}) "
                              "but run() got no step=: pass step=lambda stage: optimizer.step(), or use run_schedule.")
         self.step_fn = step
+        # Stages that reduce their gradients themselves (ZeRO over a data-parallel group): their micro-batches'
+        # backwards only add up, and the sum is reduced once, at the stage's STEP (torch's REDUCE_GRAD), whose place
+        # after the stage's last backward validate() checks; a list without STEPs reduces at its end.
+        self.reducing = {s for s, m in self.stages.items() if hasattr(m, "reduce_gradients")}
+        split = sorted({a.stage for a in actions if a.kind in ("I", "W")} & self.reducing)
+        if split:
+            raise ValueError(f"rank {self.rank}: stage(s) {split} reduce their gradients over data-parallel ranks "
+                             "(ZeRO), which counts each parameter's gradient as it arrives: zero-bubble's split "
+                             "backward (I, then W) is not supported for them; use one B (GPipe, 1F1B, interleaved).")
+        for s in self.reducing:
+            self.stages[s].set_requires_gradient_sync(False)
         if self.n_ranks > 1 and actions and not any(a.is_communication for a in actions):
             raise ValueError(f"rank {self.rank}'s list has no SEND/RECV actions, but its stages exchange data with "
                              "other ranks: pass rank_actions(schedule, rank, p, p * v), or run_schedule with the "
@@ -161,6 +172,8 @@ class PipelineExecutor:
         for work, _ in self.sends:           # the tensor stays referenced until its send is done
             work.wait()
         self._check_finished()
+        for s in sorted(self.reducing - {a.stage for a in actions if a.kind == STEP}):
+            self._reduce(s)                  # no STEP in the list: reduced here, stepped by the caller
         last = self.n_stages - 1
         return torch.cat([self.outputs[j] for j in range(self.m)]) if last in self.stages else None
 
@@ -232,8 +245,14 @@ class PipelineExecutor:
         if unfinished:
             raise RuntimeError(f"rank {self.rank}: {a} before stage {a.stage}'s backward of micro-batch {unfinished[0]}; "
                                "put the step after the stage's last B (or W).")
+        if a.stage in self.reducing:
+            self._reduce(a.stage)
         with self.timeline.span(SPAN_KINDS[STEP], str(a)):
             self.step_fn(a.stage)
+
+    def _reduce(self, s: int) -> None:
+        with self.timeline.span(SPAN_KINDS["REDUCE_GRAD"], f"{s}REDUCE_GRAD"):
+            self.stages[s].reduce_gradients()
 
     def _pop_held(self, a: Action) -> _Held:
         held = self.held.pop((a.stage, a.microbatch), None)

@@ -341,6 +341,19 @@ class ZeRO(nn.Module):
         finally:
             self._sync = before
 
+    def reduce_gradients(self) -> None:
+        """Reduce now what the backwards under ``no_sync()`` added up, every flat once: a pipeline's last backward
+        of this stage has run (torch's ``REDUCE_GRAD``; ``dtcourse.pipeline`` calls it at the stage's STEP)."""
+        if self._in_backward:
+            raise RuntimeError("ZeRO.reduce_gradients: called during backward; call it once backward has returned.")
+        for unit in self.units:
+            for flat in unit.flats:
+                if flat.trainable:
+                    self._reduce(unit, flat)            # stages 2-3: the unreduced sum (zeros if none arrived)
+        while self._reductions:
+            self._complete(*self._reductions.pop(0))
+        self._has_grads, self._rescaled = True, False
+
     def _keep_unreduced(self, flat: FlatShard) -> None:
         """Stages 2-3 under no_sync(): move this backward's gradients of ``flat`` into its unreduced sum (N·s,)."""
         bucket = flat.gradient_bucket(self.reduce_dtype)
