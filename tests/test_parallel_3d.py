@@ -19,11 +19,11 @@ import torch.distributed as dist
 from dtcourse import launch
 from dtcourse.mesh import ParallelDims, build_groups
 from dtcourse.models import GPT, GPTConfig, lm_loss, token_batch
+from dtcourse.parallel_3d import Plan, parallelize
+from dtcourse.parity import Tolerance, check_parity
 from dtcourse.pipeline import PipelineExecutor, schedules
-from dtcourse.pipeline.partition import gpt_boundary_shape, split_gpt, stages_of_rank
+from dtcourse.pipeline.partition import gpt_boundary_shape, split_gpt
 from dtcourse.runtime.observe import observe
-from dtcourse.tensor_parallel import parallelize, vocab_parallel_lm_loss
-from dtcourse.tensor_parallel.parallelize import _full
 from dtcourse.zero import ZeRO
 
 # 5 layers: with p = 2 and v = 2 the 4 stages hold 2, 1, 1, 1 blocks; 4 heads, so t = 4 divides them. 48 rows: 6 per
@@ -36,45 +36,22 @@ adamw = functools.partial(torch.optim.AdamW, lr=1e-3)
 # in another order too: a few ulps per gradient, which AdamW's lr * g / (|g| + eps) moves further where a
 # gradient nearly cancels. Measured after 3 steps: at most 6.0e-7 over the cases below (lr = 1e-2 gives 10x).
 TOLERANCE = 1e-5
+REASON = ("each replica's micro-batch losses, scaled and summed, then averaged over dp, and TP's partial products "
+          "add the same terms as one process in another order; AdamW moves further where a gradient nearly cancels")
 
 
 def _composed(dp: int, pp: int, tp: int, stage: int, schedule: str, v: int) -> dict:
-    """The GPT split into pp·v pipeline stages, tensor-parallel over tp inside each, each stage sharded by ZeRO over
-    dp; 3 steps of m micro-batches beside one process on the global batch. This rank's view of the result."""
-    mesh = build_groups(ParallelDims(dp=dp, pp=pp, tp=tp))
-    where, tp_group = mesh.coordinates, mesh.group("tp")
-    model, reference = GPT(CFG, seed=0), GPT(CFG, seed=0)      # the second: one process, the global batch
-    stepper = adamw(reference.parameters())
-    if tp > 1:
-        parallelize(model, tp_group)                           # TP first: the stages hold the sharded layers
-    parts = split_gpt(model, pp * v)
-    zeros = {s: ZeRO(parts[s], stage, adamw, mesh.group("dp")) for s in stages_of_rank(where["pp"], pp, v)}
-    executor = PipelineExecutor(zeros, pp * v, gpt_boundary_shape(model), group=mesh.group("pp"))
-    actions = executor.plan(schedules.build(schedule, pp, M, v), M)
-    loss_fn = lm_loss if tp == 1 else functools.partial(vocab_parallel_lm_loss, group=tp_group)
-
-    def step(s: int) -> None:
-        zeros[s].step()
-        zeros[s].zero_grad()
-
-    collectives = set()
-    for k in range(STEPS):
-        x, y = token_batch(CFG, ROWS, seed=k)
-        mine = slice(where["dp"] * ROWS // dp, (where["dp"] + 1) * ROWS // dp)
-        with observe() as log:
-            executor.run(actions, x[mine], y[mine], loss_fn, M, step)
-        collectives |= {(r.collective, r.group_size) for r in log.records if r.collective not in ("send", "recv")}
-        lm_loss(reference(x), y).backward()
-        stepper.step()
-        stepper.zero_grad()
-    held = {n: p for z in zeros.values() for n, p in z.module.named_parameters()}
-    mine_full = {n: _full(held[n], t, tp_group) for z in zeros.values() for n, t in z.full_parameters().items()}
-    everyone: list = [None] * pp
-    dist.all_gather_object(everyone, mine_full, group=mesh.group("pp"))     # every stage's, to every rank
-    full = {n: t for part in everyone for n, t in part.items()}
-    want = dict(reference.named_parameters())
-    return {"names": sorted(full) == sorted(want), "worst": max((full[n] - want[n]).abs().max().item() for n in want),
-            "collectives": collectives}
+    """``parallelize`` under the plan, through the parity harness beside one process on the global batch, 3 steps:
+    outputs, gradients before each step and parameters after it compared, and every rank against rank 0."""
+    plan = Plan(dp=dp, pp=pp, tp=tp, zero_stage=stage, schedule=schedule, microbatches=M, v=v)
+    mesh = build_groups(plan.dims)
+    with observe() as log:
+        report = check_parity(lambda: GPT(CFG, seed=0), lambda model, group: parallelize(model, mesh, plan, adamw),
+                              [token_batch(CFG, ROWS, seed=k) for k in range(STEPS)], lm_loss, adamw,
+                              tolerance=Tolerance(TOLERANCE, 0, REASON), split=plan.split)
+    return {"worst": {kind: report.worst("single", kind) for kind in ("output", "gradient", "parameter")},
+            "collectives": {(r.collective, r.group_size) for r in log.records if r.collective not in ("send", "recv")
+                            and (r.group_size < dist.get_world_size() or r.group_size == dp and r.collective != "all_reduce")}}
 
 
 CASES = [  # (dp, pp, tp, ZeRO stage, schedule, v): the issue's factorisations of 8 ranks, and two of 4 and 3
@@ -93,13 +70,14 @@ CASES = [  # (dp, pp, tp, ZeRO stage, schedule, v): the issue's factorisations o
 @pytest.mark.parametrize("dp, pp, tp, stage, schedule, v", CASES)
 def test_data_pipeline_and_tensor_parallelism_stacked_train_as_one_process(dp, pp, tp, stage, schedule, v):
     found = launch(_composed, dp * pp * tp, dp, pp, tp, stage, schedule, v, timeout=240)
-    for result in found:
-        assert result["names"], result
-        assert result["worst"] <= TOLERANCE, result
-    # every rank gathered the same full model: the replicas, shards and stages all agree
-    assert len({r["worst"] for r in found}) == 1, [r["worst"] for r in found]
-    # besides the pipeline's messages: ZeRO's gathers and reductions over dp, and TP's all-reduces over tp, only
-    allowed = {("all_gather", dp), ("reduce_scatter", dp)} | ({("all_reduce", tp)} if tp > 1 else set())
+    # check_parity raised in the ranks at the first difference past TOLERANCE, or between ranks; here: what it saw
+    assert found[0]["worst"]["parameter"] <= TOLERANCE and found[0]["worst"]["gradient"] <= TOLERANCE, found[0]
+    # besides the pipeline's messages: ZeRO's gathers and reductions over dp (and the broadcast of the buffers
+    # when it is built), TP's all-reduces over tp, and the gathers of full tensors for the comparison (over dp, tp
+    # and pp); no all-reduce of gradients. The harness's own collectives span the whole world, left out (where
+    # dp is the whole world, its all-reduces are).
+    allowed = {("all_gather", dp), ("reduce_scatter", dp), ("broadcast", dp), ("all_gather", tp), ("all_gather", pp)}
+    allowed |= {("all_reduce", tp)} if tp > 1 else set()
     for result in found:
         assert result["collectives"] <= allowed and ("reduce_scatter", dp) in result["collectives"], result
 
@@ -121,3 +99,44 @@ def test_zero_bubbles_split_backward_is_refused_for_sharded_stages():
     for message in launch(_split_backward_refused, 2):
         assert "stage(s) [0] reduce their gradients over data-parallel ranks" in message, message
         assert "use one B (GPipe, 1F1B, interleaved)" in message, message
+
+
+# --------------------------------------------------------------------------- #
+# A plan that cannot run is refused before any rank builds anything, saying what to change
+# --------------------------------------------------------------------------- #
+@pytest.mark.parametrize("plan, args, complaint", [
+    (dict(dp=2, pp=2, tp=2), (CFG, 6), r"dp\*pp\*tp = 8 does not equal the world size 6.*\(dp, pp, tp\) = \(6, 1, 1\)"),
+    (dict(dp=1, pp=1, tp=3), (CFG, 3), r"tensor-parallel size 3 does not divide number of heads 4; use a "
+                                       r"tensor-parallel size among \[1, 2, 4\]"),
+    (dict(dp=1, pp=4, tp=1, schedule="interleaved_1f1b", v=2, microbatches=4), (CFG, 4),
+     r"8 stages cannot each hold one of 5 layers; use at most 5 stages"),
+    (dict(dp=4, pp=1, tp=1, microbatches=2), (CFG, 4, 30), r"a global batch of 30 rows .* use a batch of 32 rows"),
+    (dict(dp=4, pp=1, tp=1, microbatches=4), (CFG, 4, 8), r"at least dp · m = 16; use a batch of 16 rows"),
+])
+def test_a_plan_that_does_not_fit_says_what_to_change(plan, args, complaint):
+    with pytest.raises(ValueError, match=complaint):
+        Plan(**plan).check(*args)
+
+
+@pytest.mark.parametrize("fields, complaint", [
+    (dict(pp=2, schedule="interleaved_1f1b", v=2, microbatches=3), r"multiple of pp = 2, as Megatron requires; got 3: "
+                                                                 r"use 4"),
+    (dict(schedule="1f1b", v=2), r"v = 2 chunks per rank goes with schedule 'interleaved_1f1b'"),
+    (dict(schedule="zb_h1"), r"zero-bubble's split backward, zb_h1, runs in dtcourse.pipeline alone, not under ZeRO"),
+    (dict(zero_stage=4), r"zero_stage must be 0, 1, 2 or 3"),
+    (dict(dp=0), r"dp must be a positive integer, got 0"),
+    (dict(precision="bf16"), r"neither activation recomputation nor 16-bit compute yet; use 'none' and 'fp32'"),
+    (dict(ep=2), r"expert parallelism composes through dtcourse.moe's ExpertParallel"),
+])
+def test_a_plan_checks_itself(fields, complaint):
+    with pytest.raises(ValueError, match=complaint):
+        Plan(**fields)
+
+
+def test_a_plan_gives_each_replica_its_rows():
+    plan, x = Plan(dp=2, pp=2, tp=2), torch.arange(8)
+    # ranks 0, 1 (tp), 4, 5 (the next pipeline stage) are replica 0; 2, 3, 6, 7 replica 1
+    assert [plan.split(x, r, 8).tolist() for r in range(8)] == [[0, 1, 2, 3]] * 2 + [[4, 5, 6, 7]] * 2 + \
+        [[0, 1, 2, 3]] * 2 + [[4, 5, 6, 7]] * 2
+    with pytest.raises(ValueError, match="does not split into dp = 2 equal shares; use a multiple of 2"):
+        plan.split(torch.arange(7), 0, 8)
