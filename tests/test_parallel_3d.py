@@ -34,16 +34,17 @@ adamw = functools.partial(torch.optim.AdamW, lr=1e-3)
 # float32. Each replica's micro-batch losses, scaled by rows_j / rows and summed, then averaged over dp, add the
 # same terms as one mean over the global batch in another order, and tensor parallelism sums partial products
 # in another order too: a few ulps per gradient, which AdamW's lr * g / (|g| + eps) moves further where a
-# gradient nearly cancels. Measured after 3 steps: at most 6.0e-7 over the cases below (lr = 1e-2 gives 10x).
+# gradient nearly cancels. Measured over the cases below, SP included: outputs 1.2e-7, gradients 3.0e-8, parameters
+# after 3 steps 6.0e-7 at most (lr = 1e-2 gives 10x).
 TOLERANCE = 1e-5
 REASON = ("each replica's micro-batch losses, scaled and summed, then averaged over dp, and TP's partial products "
           "add the same terms as one process in another order; AdamW moves further where a gradient nearly cancels")
 
 
-def _composed(dp: int, pp: int, tp: int, stage: int, schedule: str, v: int) -> dict:
+def _composed(dp: int, pp: int, tp: int, stage: int, schedule: str, v: int, sp: bool = False) -> dict:
     """``parallelize`` under the plan, through the parity harness beside one process on the global batch, 3 steps:
     outputs, gradients before each step and parameters after it compared, and every rank against rank 0."""
-    plan = Plan(dp=dp, pp=pp, tp=tp, zero_stage=stage, schedule=schedule, microbatches=M, v=v)
+    plan = Plan(dp=dp, pp=pp, tp=tp, zero_stage=stage, schedule=schedule, microbatches=M, v=v, sequence_parallel=sp)
     mesh = build_groups(plan.dims)
     with observe() as log:
         report = check_parity(lambda: GPT(CFG, seed=0), lambda model, group: parallelize(model, mesh, plan, adamw),
@@ -65,11 +66,13 @@ CASES = [  # (dp, pp, tp, ZeRO stage, schedule, v): the issue's factorisations o
     (2, 2, 1, 1, "interleaved_1f1b", 2),
     (3, 1, 1, 2, "1f1b", 1),
 ]
+SEQUENCE_PARALLEL = [(2, 2, 2, 1, "1f1b", 1), (1, 2, 4, 1, "interleaved_1f1b", 2), (2, 1, 2, 0, "gpipe", 1)]
 
 
-@pytest.mark.parametrize("dp, pp, tp, stage, schedule, v", CASES)
-def test_data_pipeline_and_tensor_parallelism_stacked_train_as_one_process(dp, pp, tp, stage, schedule, v):
-    found = launch(_composed, dp * pp * tp, dp, pp, tp, stage, schedule, v, timeout=240)
+@pytest.mark.parametrize("dp, pp, tp, stage, schedule, v, sp", [(*case, False) for case in CASES] +
+                         [(*case, True) for case in SEQUENCE_PARALLEL])
+def test_data_pipeline_and_tensor_parallelism_stacked_train_as_one_process(dp, pp, tp, stage, schedule, v, sp):
+    found = launch(_composed, dp * pp * tp, dp, pp, tp, stage, schedule, v, sp, timeout=240)
     # check_parity raised in the ranks at the first difference past TOLERANCE, or between ranks; here: what it saw
     assert found[0]["worst"]["parameter"] <= TOLERANCE and found[0]["worst"]["gradient"] <= TOLERANCE, found[0]
     # besides the pipeline's messages: ZeRO's gathers and reductions over dp (and the broadcast of the buffers
@@ -78,6 +81,7 @@ def test_data_pipeline_and_tensor_parallelism_stacked_train_as_one_process(dp, p
     # dp is the whole world, its all-reduces are).
     allowed = {("all_gather", dp), ("reduce_scatter", dp), ("broadcast", dp), ("all_gather", tp), ("all_gather", pp)}
     allowed |= {("all_reduce", tp)} if tp > 1 else set()
+    allowed |= {("reduce_scatter", tp)} if sp else set()      # SP: all-gathers and reduce-scatters of the sequence
     for result in found:
         assert result["collectives"] <= allowed and ("reduce_scatter", dp) in result["collectives"], result
 
@@ -127,6 +131,8 @@ def test_a_plan_that_does_not_fit_says_what_to_change(plan, args, complaint):
     (dict(dp=0), r"dp must be a positive integer, got 0"),
     (dict(precision="bf16"), r"neither activation recomputation nor 16-bit compute yet; use 'none' and 'fp32'"),
     (dict(ep=2), r"expert parallelism composes through dtcourse.moe's ExpertParallel"),
+    (dict(tp=2, zero_stage=2, sequence_parallel=True), r"sequence parallelism needs tp >= 2 \(got 2\) and ZeRO stage 0 "
+                                                        r"or 1 \(got 2\)"),
 ])
 def test_a_plan_checks_itself(fields, complaint):
     with pytest.raises(ValueError, match=complaint):

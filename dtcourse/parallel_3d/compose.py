@@ -2,8 +2,9 @@
 
 The order, and why (torchtitan applies pipeline split → TP → activation checkpointing → FSDP):
 
-1. **Tensor parallelism first** (``dtcourse.tensor_parallel.parallelize``), in place on the whole GPT: it replaces
-   the GPT's own layers by their shards, and every later step must see the sharded layers. (torchtitan splits
+1. **Tensor parallelism first** (``dtcourse.tensor_parallel.parallelize``, with sequence parallelism if the plan
+   asks), in place on the whole GPT: it replaces the GPT's own layers by their shards, and every later step must
+   see the sharded layers. Under SP the pipeline's messages carry each rank's sequence shard, (B, T/t, C). (torchtitan splits
    first because its stages are copies of the model; ours hold references to the GPT's modules, so cutting
    first would leave the stages pointing at the full layers that TP then replaces.)
 2. **The pipeline cut** (``dtcourse.pipeline.split_gpt``): p · v stages of whole blocks; this rank keeps its own.
@@ -62,12 +63,18 @@ class Parallel3D:
                              "from the plan, build_groups(plan.dims).")
         self.mesh, self.plan = mesh, plan
         self.tp_group, self.pp_group = mesh.group("tp"), mesh.group("pp")
-        if plan.tp > 1:                                               # 1. TP, in place
-            tensor_parallelize(model, self.tp_group)
+        if plan.tp > 1:                                               # 1. TP (and SP), in place
+            tensor_parallelize(model, self.tp_group, sequence_parallel=plan.sequence_parallel)
         parts = split_gpt(model, plan.stages)                         # 2. the pipeline cut
         mine = stages_of_rank(mesh.coordinates["pp"], plan.pp, plan.v)
         self.stages = {s: ZeRO(parts[s], plan.zero_stage, optimizer, mesh.group("dp")) for s in mine}   # 3. ZeRO
-        self.executor = PipelineExecutor(self.stages, plan.stages, gpt_boundary_shape(model), group=self.pp_group)
+        full = gpt_boundary_shape(model)
+
+        def boundary(stage: int, idx: torch.Tensor) -> tuple[int, ...]:   # under SP, each rank's sequence shard
+            b, t, c = full(stage, idx)
+            return (b, t // plan.tp, c) if plan.sequence_parallel else (b, t, c)
+
+        self.executor = PipelineExecutor(self.stages, plan.stages, boundary, group=self.pp_group)
         self.actions = self.executor.plan(schedules.build(plan.schedule, plan.pp, plan.microbatches, plan.v),
                                           plan.microbatches)
 

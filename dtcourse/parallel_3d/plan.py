@@ -29,7 +29,8 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")   # zero-bubble's split backwa
 @dataclass(frozen=True)
 class Plan:
     """dp × pp × tp ranks (ep within dp); ZeRO's stage over dp; the pipeline's schedule, micro-batches m and
-    chunks per rank v; activation recomputation and precision (only "none" and "fp32" so far)."""
+    chunks per rank v; sequence parallelism inside tensor parallelism; activation recomputation and precision
+    (only "none" and "fp32" so far)."""
 
     dp: int = 1
     pp: int = 1
@@ -39,6 +40,7 @@ class Plan:
     schedule: str = "1f1b"
     microbatches: int = 1
     v: int = 1
+    sequence_parallel: bool = False
     recompute: str = "none"
     precision: str = "fp32"
 
@@ -59,6 +61,11 @@ class Plan:
             raise ValueError(f"Plan: interleaving needs the micro-batches to be a multiple of pp = {self.pp}, as "
                              f"Megatron requires; got {self.microbatches}: use "
                              f"{(self.microbatches // self.pp + 1) * self.pp}.")
+        if self.sequence_parallel and (self.tp < 2 or self.zero_stage >= 2):
+            raise ValueError(f"Plan: sequence parallelism needs tp >= 2 (got {self.tp}) and ZeRO stage 0 or 1 (got "
+                             f"{self.zero_stage}): its LayerNorm and bias gradients are summed over tp at the end "
+                             "of each backward, after stages 2-3 have already taken the gradients away; use "
+                             "zero_stage=1, or sequence_parallel=False.")
         if self.ep != 1:
             raise ValueError(f"Plan: ep = {self.ep}: expert parallelism composes through dtcourse.moe's "
                              "ExpertParallel on the mesh, not through parallelize yet; use ep = 1.")
@@ -91,6 +98,8 @@ class Plan:
                            (config.vocab_size, "vocabulary size")):
             check_divides(self.tp, size, what)
         balanced_partition(config.n_layer, self.stages)           # at least one layer per stage
+        if self.sequence_parallel:
+            check_divides(self.tp, config.block_size, "sequence length (block_size)")
         if batch is not None and (batch % self.dp or batch // self.dp < self.microbatches):
             raise ValueError(f"Plan: a global batch of {batch} rows gives dp = {self.dp} replicas equal shares of "
                              f"at least m = {self.microbatches} rows only if it is a multiple of dp and at least "

@@ -278,7 +278,7 @@ class PipelineExecutor:
         if to in self.stages:
             self.inbox[(kind, to, j)] = (t, [])
         else:
-            self.outbox[(kind, s, j)] = t
+            self.outbox[(kind, s, j)] = t.contiguous()     # a message is one contiguous buffer (SP's shards are not)
 
     def _post(self, batch: list[Action]) -> None:
         """Post a run of consecutive SEND/RECV actions as one ``batch_isend_irecv``."""

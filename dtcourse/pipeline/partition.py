@@ -66,6 +66,7 @@ class GPTStage(nn.Module):
     def __init__(self, model: GPT, start: int, end: int, first: bool, last: bool):
         super().__init__()
         self.first, self.last, self.layers = first, last, (start, end)
+        self.block_size = model.config.block_size        # (read here: a tensor-parallel wpe is a PositionShard)
         if first:
             self.wte, self.wpe, self.drop = model.wte, model.wpe, model.drop
         # keyed by the GPT's block index, so parameter names stay the GPT's: "blocks.3...."
@@ -75,9 +76,9 @@ class GPTStage(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.first:                                               # x: token ids (B, T)
-            if x.shape[1] > self.wpe.num_embeddings:
+            if x.shape[1] > self.block_size:
                 raise ValueError(f"GPTStage: sequence length {x.shape[1]} exceeds block_size "
-                                 f"{self.wpe.num_embeddings}; use shorter sequences or a larger block_size.")
+                                 f"{self.block_size}; use shorter sequences or a larger block_size.")
             pos = torch.arange(x.shape[1], device=x.device)          # (T,)
             x = self.drop(self.wte(x) + self.wpe(pos))               # (B, T, C)
         for block in self.blocks.values():
