@@ -19,7 +19,9 @@ import torch.distributed as dist
 from dtcourse import launch
 from dtcourse.mesh import ParallelDims, build_groups
 from dtcourse.models import GPT, GPTConfig, lm_loss, token_batch
+from dtcourse.collectives.cost import ring_bytes_sent
 from dtcourse.parallel_3d import Plan, parallelize
+from dtcourse.parallel_3d.cost import HeldStage, step_bytes
 from dtcourse.parity import Tolerance, check_parity
 from dtcourse.pipeline import PipelineExecutor, schedules
 from dtcourse.pipeline.partition import gpt_boundary_shape, split_gpt
@@ -146,3 +148,39 @@ def test_a_plan_gives_each_replica_its_rows():
         [[0, 1, 2, 3]] * 2 + [[4, 5, 6, 7]] * 2
     with pytest.raises(ValueError, match="does not split into dp = 2 equal shares; use a multiple of 2"):
         plan.split(torch.arange(7), 0, 8)
+
+
+# --------------------------------------------------------------------------- #
+# Bytes per group and step: counted on the ranks, equal to the formulas
+# --------------------------------------------------------------------------- #
+def _counted(dp: int, pp: int, tp: int, stage: int, schedule: str, v: int) -> tuple[dict, dict]:
+    """What this rank sent in its second step over each of its groups (a ring's bytes for each collective, each
+    message's for the pipeline), and what ``cost.step_bytes`` says."""
+    plan = Plan(dp=dp, pp=pp, tp=tp, zero_stage=stage, schedule=schedule, microbatches=M, v=v)
+    mesh = build_groups(plan.dims)
+    model = parallelize(GPT(CFG, seed=0), mesh, plan, adamw)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dims = {tuple(mesh.ranks[dim]): dim for dim in ("dp", "pp", "tp") if len(mesh.ranks[dim]) > 1}
+    counted = dict.fromkeys(("tp", "pp", "dp"), 0)
+    for k in range(2):                                   # the first step builds AdamW's states: count the second
+        x, y = (plan.split(t, rank, world) for t in token_batch(CFG, ROWS, seed=k))
+        model.zero_grad()
+        with observe() as log:
+            model.train_step(x, y)
+    for r in log.records:
+        if r.collective == "send":
+            counted[dims[r.ranks]] += r.nbytes
+        elif r.collective in ("all_reduce", "all_gather", "reduce_scatter") and r.ranks in dims:
+            full = r.nbytes * r.group_size if r.collective == "all_gather" else r.nbytes
+            counted[dims[r.ranks]] += ring_bytes_sent(r.collective, full, r.group_size)
+    held = [HeldStage(z.module.first, z.module.last, len(z.module.blocks), sum(f.padded for f in z._flats(True)))
+            for z in model.stages.values()]
+    rows = [len(part) for part in torch.arange(ROWS // dp).tensor_split(M)]
+    return counted, step_bytes(held, rows, CFG.block_size, CFG.d_model, tp, dp, stage)
+
+
+@pytest.mark.parametrize("case", [(2, 2, 2, 1, "1f1b", 1), (2, 2, 2, 3, "interleaved_1f1b", 2),
+                                  (1, 4, 2, 2, "1f1b", 1), (4, 2, 1, 0, "gpipe", 1)])
+def test_bytes_per_group_and_step_follow_the_formulas(case):
+    for counted, predicted in launch(_counted, case[0] * case[1] * case[2], *case, timeout=240):
+        assert counted == predicted, (case, counted, predicted)

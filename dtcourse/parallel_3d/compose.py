@@ -78,13 +78,17 @@ class Parallel3D:
         self.actions = self.executor.plan(schedules.build(plan.schedule, plan.pp, plan.microbatches, plan.v),
                                           plan.microbatches)
 
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+        """One training step on this replica's rows ``x``, ``y`` (optimizer steps included, at the STEPs); on the last
+        stage's ranks, this replica's logits (vocabulary-sharded under TP), else None."""
+        loss_fn = lm_loss if self.plan.tp == 1 else functools.partial(vocab_parallel_lm_loss, group=self.tp_group)
+        return self.executor.run(self.actions, x, y, loss_fn, self.plan.microbatches, self._step)
+
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor, loss_fn=lm_loss) -> torch.Tensor | None:
-        """One step on this replica's rows ``x``, ``y``; the full logits on the last stage's ranks, else None."""
+        """The parity harness's step: ``train_step``, and the full logits gathered over tp for the comparison."""
         if loss_fn is not lm_loss:
             raise ValueError("Parallel3D trains with lm_loss (vocab-parallel under tensor parallelism); got another.")
-        if self.plan.tp > 1:
-            loss_fn = functools.partial(vocab_parallel_lm_loss, group=self.tp_group)
-        out = self.executor.run(self.actions, x, y, loss_fn, self.plan.microbatches, self._step)
+        out = self.train_step(x, y)
         if out is None or self.plan.tp == 1:
             return out
         return gather_shards(out, out.dim() - 1, 1, self.tp_group)   # (B, T, V), for looking only

@@ -78,6 +78,7 @@ class Record:
     dtype: torch.dtype | None = None             # ... and its dtype
     sent_to: tuple[int, ...] | None = None      # all-to-all: bytes to each group rank, itself included
     received_from: tuple[int, ...] | None = None  # all-to-all: bytes from each group rank
+    ranks: tuple[int, ...] = ()                  # the group's members, as global ranks: which group it was
 
     @property
     def collective(self) -> str:
@@ -226,6 +227,21 @@ def _row_splits(splits, tensor: torch.Tensor, n: int) -> tuple[int, ...]:
     return tuple(int(s) * row for s in splits) if len(splits) else (rows // n * row,) * n
 
 
+def _members(group: ProcessGroup) -> tuple[int, ...]:
+    """The global ranks of ``group`` (looked up once per group)."""
+    found = _MEMBERS.get(id(group))
+    if found is None or found[0] is not group:
+        try:
+            ranks = tuple(torch.distributed.get_process_group_ranks(group))
+        except (RuntimeError, ValueError):                  # a group torch.distributed does not know of
+            ranks = ()
+        found = _MEMBERS[id(group)] = (group, ranks)
+    return found[1]
+
+
+_MEMBERS: dict[int, tuple[ProcessGroup, tuple[int, ...]]] = {}
+
+
 def _observed(name: str, original: Callable) -> Callable:
     def call(self, *args, **kwargs):
         if not _LOGS:
@@ -237,7 +253,7 @@ def _observed(name: str, original: Callable) -> Callable:
         record = Record(name, self.size(), self.rank(), peer, sum(t.numel() for t in tensors),
                         sum(t.nbytes for t in tensors), time.perf_counter(), None, _current_label(),
                         torch._C._current_graph_task_id() >= 0, tuple(tensors[0].shape) if tensors else (),
-                        tensors[0].dtype if tensors else None)
+                        tensors[0].dtype if tensors else None, ranks=_members(self))
         if name in ("alltoall_base", "all_to_all_single") and len(args) >= 4:   # (out, in, out splits, in splits)
             record.sent_to = _row_splits(args[3], args[1], self.size())
             record.received_from = _row_splits(args[2], args[0], self.size())
