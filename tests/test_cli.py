@@ -28,7 +28,7 @@ def test_the_console_script_is_declared_and_installed():
 
 def test_bench_lists_one_benchmark_per_stem_and_refuses_unknown_names(capsys):
     assert cli.benchmarks() == ["checkpointing", "collectives", "data_parallel", "gpu", "launch", "moe", "offload",
-                              "parameter_server", "pipeline", "tensor_parallel", "zero"]
+                              "parallel_3d", "parameter_server", "pipeline", "tensor_parallel", "zero"]
     assert cli.main(["bench", "--list"]) == 0
     assert "collectives, data_parallel" in capsys.readouterr().out
     assert cli.main(["bench", "ddp"]) == 2
