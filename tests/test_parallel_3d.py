@@ -21,7 +21,7 @@ from dtcourse.mesh import ParallelDims, build_groups
 from dtcourse.models import GPT, GPTConfig, lm_loss, token_batch
 from dtcourse.collectives.cost import ring_bytes_sent
 from dtcourse.parallel_3d import Plan, parallelize
-from dtcourse.parallel_3d.cost import HeldStage, step_bytes
+from dtcourse.parallel_3d.cost import HeldStage, model_state_bytes, step_bytes
 from dtcourse.parity import Tolerance, check_parity
 from dtcourse.pipeline import PipelineExecutor, schedules
 from dtcourse.pipeline.partition import gpt_boundary_shape, split_gpt
@@ -184,3 +184,29 @@ def _counted(dp: int, pp: int, tp: int, stage: int, schedule: str, v: int) -> tu
 def test_bytes_per_group_and_step_follow_the_formulas(case):
     for counted, predicted in launch(_counted, case[0] * case[1] * case[2], *case, timeout=240):
         assert counted == predicted, (case, counted, predicted)
+
+
+# --------------------------------------------------------------------------- #
+# Model states per rank: held, equal to ZeRO's formula on each stage's (tensor-parallel) share
+# --------------------------------------------------------------------------- #
+def _held(dp: int, pp: int, tp: int, stage: int, schedule: str, v: int) -> tuple[int, int, int]:
+    plan = Plan(dp=dp, pp=pp, tp=tp, zero_stage=stage, schedule=schedule, microbatches=M, v=v)
+    model = parallelize(GPT(CFG, seed=0), build_groups(plan.dims), plan, adamw)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model.train_step(*(plan.split(t, rank, world) for t in token_batch(CFG, ROWS, seed=0)))   # AdamW's states
+    held = [HeldStage(z.module.first, z.module.last, len(z.module.blocks), sum(f.padded for f in z._flats(True)))
+            for z in model.stages.values()]
+    steps = 4 * sum(len(z._flats(True)) for z in model.stages.values())   # AdamW's step: a 0-dim fp32 per flat
+    measured = sum(z.memory().model_states for z in model.stages.values())
+    return measured - steps, model_state_bytes(held, dp, stage), sum(p.numel() for p in GPT(CFG).parameters())
+
+
+@pytest.mark.parametrize("case", [(2, 2, 2, 1, "1f1b", 1), (2, 2, 2, 3, "interleaved_1f1b", 2),
+                                  (4, 2, 1, 2, "1f1b", 1), (2, 1, 4, 0, "gpipe", 1)])
+def test_model_states_per_rank_follow_zeros_formula_on_each_stages_share(case):
+    found = launch(_held, case[0] * case[1] * case[2], *case, timeout=240)
+    for measured, predicted, psi in found:
+        assert measured == predicted, (case, measured, predicted)
+    # every parameter's 16 bytes (fp32 parameter, gradient, m, v) are somewhere: the ranks together hold at least
+    # the whole model's (more where ZeRO or TP replicates: LayerNorms over tp, everything over dp below stage 3)
+    assert sum(m for m, _, _ in found) >= 16 * found[0][2]

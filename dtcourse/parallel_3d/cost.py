@@ -1,4 +1,4 @@
-"""3D parallelism's bytes per step, group by group: what each rank sends over tp, pp and dp in one training step.
+"""3D parallelism's formulas: the bytes each rank sends per step over tp, pp and dp, and the model states it holds.
 
 Per micro-batch of b rows (sequence s, hidden h, e bytes per element; t, p, d the tp, pp and dp sizes):
 
@@ -23,8 +23,9 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from dtcourse.collectives.cost import ring_bytes_sent
+from dtcourse.zero.cost import paper_bytes
 
-__all__ = ["HeldStage", "step_bytes"]
+__all__ = ["HeldStage", "step_bytes", "model_state_bytes"]
 
 
 @dataclass(frozen=True)
@@ -58,3 +59,11 @@ def step_bytes(stages: Sequence[HeldStage], rows: Sequence[int], seq: int, hidde
             gathers = 2 * m if zero_stage == 3 else 1
             dp += ring_bytes_sent("reduce_scatter", grads, d) + gathers * ring_bytes_sent("all_gather", grads, d)
     return {"tp": tp, "pp": pp, "dp": dp}
+
+
+def model_state_bytes(stages: Sequence[HeldStage], d: int, zero_stage: int, k: int = 8, param_bytes: int = 4,
+                      grad_bytes: int = 4) -> int:
+    """Parameters, gradients and optimizer states one rank holds: ZeRO's formula (Rajbhandari et al., arXiv
+    1910.02054, figure 1; ``zero.cost.paper_bytes``) on each of its stages' padded Ψ_s (already 1/t of the
+    layers' under tensor parallelism), summed. fp32 AdamW: 4 + 4 + K = 8 bytes per parameter (m and v)."""
+    return sum(int(paper_bytes(zero_stage, st.padded, d, k, param_bytes, grad_bytes)) for st in stages)
