@@ -21,7 +21,7 @@ from dtcourse.mesh import ParallelDims, build_groups
 from dtcourse.models import GPT, GPTConfig, lm_loss, token_batch
 from dtcourse.collectives.cost import ring_bytes_sent
 from dtcourse.parallel_3d import Plan, parallelize
-from dtcourse.parallel_3d.cost import HeldStage, model_state_bytes, step_bytes
+from dtcourse.parallel_3d.cost import model_state_bytes, step_bytes
 from dtcourse.parity import Tolerance, check_parity
 from dtcourse.pipeline import PipelineExecutor, schedules
 from dtcourse.pipeline.partition import gpt_boundary_shape, split_gpt
@@ -173,10 +173,8 @@ def _counted(dp: int, pp: int, tp: int, stage: int, schedule: str, v: int) -> tu
         elif r.collective in ("all_reduce", "all_gather", "reduce_scatter") and r.ranks in dims:
             full = r.nbytes * r.group_size if r.collective == "all_gather" else r.nbytes
             counted[dims[r.ranks]] += ring_bytes_sent(r.collective, full, r.group_size)
-    held = [HeldStage(z.module.first, z.module.last, len(z.module.blocks), sum(f.padded for f in z._flats(True)))
-            for z in model.stages.values()]
-    rows = [len(part) for part in torch.arange(ROWS // dp).tensor_split(M)]
-    return counted, step_bytes(held, rows, CFG.block_size, CFG.d_model, tp, dp, stage)
+    return counted, step_bytes(model.held_stages(), plan.microbatch_rows(ROWS), CFG.block_size, CFG.d_model, tp, dp,
+                               stage)
 
 
 @pytest.mark.parametrize("case", [(2, 2, 2, 1, "1f1b", 1), (2, 2, 2, 3, "interleaved_1f1b", 2),
@@ -194,11 +192,10 @@ def _held(dp: int, pp: int, tp: int, stage: int, schedule: str, v: int) -> tuple
     model = parallelize(GPT(CFG, seed=0), build_groups(plan.dims), plan, adamw)
     rank, world = dist.get_rank(), dist.get_world_size()
     model.train_step(*(plan.split(t, rank, world) for t in token_batch(CFG, ROWS, seed=0)))   # AdamW's states
-    held = [HeldStage(z.module.first, z.module.last, len(z.module.blocks), sum(f.padded for f in z._flats(True)))
-            for z in model.stages.values()]
     steps = 4 * sum(len(z._flats(True)) for z in model.stages.values())   # AdamW's step: a 0-dim fp32 per flat
     measured = sum(z.memory().model_states for z in model.stages.values())
-    return measured - steps, model_state_bytes(held, dp, stage), sum(p.numel() for p in GPT(CFG).parameters())
+    return measured - steps, model_state_bytes(model.held_stages(), dp, stage), sum(p.numel() for p in
+                                                                                    GPT(CFG).parameters())
 
 
 @pytest.mark.parametrize("case", [(2, 2, 2, 1, "1f1b", 1), (2, 2, 2, 3, "interleaved_1f1b", 2),

@@ -33,7 +33,7 @@ from dtcourse.bench import paired_ratio, ratio_cell, step_times, text_table, tim
 from dtcourse.mesh import build_groups
 from dtcourse.models import GPT, GPTConfig, token_batch
 from dtcourse.parallel_3d import Plan, parallelize
-from dtcourse.parallel_3d.cost import HeldStage, step_bytes
+from dtcourse.parallel_3d.cost import step_bytes
 from dtcourse.runtime.launch import launch
 
 BENCH_GPT = GPTConfig(vocab_size=256, block_size=32, n_layer=4, n_head=4, d_model=64)
@@ -74,10 +74,8 @@ def _time_rank(plans: list[tuple], warmup: int, steps: int) -> dict:
                 times[p].append(t)
     sent = {}
     for p, (plan, model) in built.items():                # this rank's bytes per group, by the formulas
-        held = [HeldStage(z.module.first, z.module.last, len(z.module.blocks), sum(f.padded for f in z._flats(True)))
-                for z in model.stages.values()]
-        rows = [len(part) for part in torch.arange(ROWS // plan.dp).tensor_split(M)]
-        sent[p] = step_bytes(held, rows, BENCH_GPT.block_size, BENCH_GPT.d_model, plan.tp, plan.dp, plan.zero_stage)
+        sent[p] = step_bytes(model.held_stages(), plan.microbatch_rows(ROWS), BENCH_GPT.block_size, BENCH_GPT.d_model,
+                             plan.tp, plan.dp, plan.zero_stage)
     return {"times": times, "sent": sent}
 
 

@@ -197,23 +197,24 @@ class _Visitor(ast.NodeVisitor):
         self.generic_visit(node)
 
 
-def audit_source(code: str) -> list[tuple[int, str]]:
-    """``(line, what)`` for every place ``code`` reaches into the grading ([] if it does not parse)."""
+def audit_source(code: str, visitor_class: type[_Visitor] = _Visitor) -> list[tuple[int, str]]:
+    """``(line, what)`` for every place ``code`` reaches into the grading ([] if it does not parse); another
+    ``visitor_class`` collects something else on the same walk (``grading.uses``: the module members named)."""
     try:
         tree = ast.parse(_without_magics(code))
     except SyntaxError:
         return []
-    visitor = _Visitor()
+    visitor = visitor_class()
     visitor.visit(tree)
     return sorted(set(visitor.found))
 
 
-def audit_cells(cells: Iterable[str]) -> list[Finding]:
+def audit_cells(cells: Iterable[str], visitor_class: type[_Visitor] = _Visitor) -> list[Finding]:
     """Audit cells in order; names a cell binds stay known to the cells after it (one kernel)."""
     found, prelude = [], ""
     for index, code in enumerate(cells):
         before = len(prelude.splitlines())
-        for line, what in audit_source(prelude + code):
+        for line, what in audit_source(prelude + code, visitor_class):
             if line > before:
                 found.append(Finding(index, line - before, what))
         prelude += "".join(f"{line}\n" for line in _imports(code))
@@ -235,14 +236,14 @@ def _without_magics(code: str) -> str:
     return "\n".join("" if line.lstrip().startswith(("%", "!")) else line for line in code.splitlines())
 
 
-def audit_notebook(notebook) -> list[Finding]:
+def audit_notebook(notebook, visitor_class: type[_Visitor] = _Visitor) -> list[Finding]:
     """The findings in a notebook (a path, or one already read), numbered by the notebook's cells."""
     import nbformat
 
     nb = nbformat.read(notebook, as_version=4) if isinstance(notebook, (str, Path)) else notebook
     codes = [(i, c.source) for i, c in enumerate(nb.cells) if c.cell_type == "code"]
     return [Finding(codes[f.cell][0], f.line, f.what, first_line(codes[f.cell][1]))
-            for f in audit_cells(code for _, code in codes)]
+            for f in audit_cells((code for _, code in codes), visitor_class)]
 
 
 def main(argv: list[str] | None = None) -> int:

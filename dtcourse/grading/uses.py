@@ -15,37 +15,49 @@ import ast
 import inspect
 import pkgutil
 import sys
-from pathlib import Path
 
-from dtcourse.grading.audit import Finding, _without_magics, first_line
+from dtcourse.grading.audit import Finding, _Visitor, audit_notebook
 
 __all__ = ["answer_uses"]
 
 
 def answer_uses(notebook, exercise: str) -> list[Finding]:
-    """Where a submission names one of exercise ``exercise``'s answers (``ANSWERS`` of its check module).
+    """Where a submission (a path, or a notebook already read) names one of exercise ``exercise``'s answers
+    (``ANSWERS`` of its check module).
 
     Not a fault by itself, and not refused: a student may look at the course's version once the exercise is done.
     But an answer run *before* a check starts is not switched off (``guard.watching`` works only while a check
     runs), so an order, a table or a result computed by it could stand in for the student's own. Each place is
     listed for the instructor, with its cell: the course's answer, PyTorch's, or a function of the answer's
-    module that calls it (``dtcourse.pipeline.schedules.build`` dispatching to ``one_f_one_b``).
+    module that reaches it (``dtcourse.pipeline.schedules.build`` dispatching to ``one_f_one_b``).
     """
-    import nbformat
-
-    nb = nbformat.read(notebook, as_version=4) if isinstance(notebook, (str, Path)) else notebook
     suspects = _answers_of(exercise)
-    found, modules = [], {}        # modules: the names earlier cells imported (one kernel)
-    for index, cell in enumerate(nb.cells):
-        if cell.cell_type != "code":
-            continue
-        for line, path in _paths(cell.source, modules):
-            what = _resolve(path, suspects)
-            if what:
-                found.append(Finding(index, line, f"uses {path}, {what}; an answer run outside the checks is not "
-                                                  "switched off, so its result may stand in for the student's",
-                                     first_line(cell.source)))
+    found = []
+    for named in audit_notebook(notebook, _Named):      # the audit's walk, imports spelled out across cells
+        what = _resolve(named.what, suspects)
+        if what:
+            found.append(Finding(named.cell, named.line, f"uses {named.what}, {what}; an answer run outside the "
+                                 "checks is not switched off, so its result may stand in for the student's",
+                                 named.begins))
     return list(dict.fromkeys(found))
+
+
+class _Named(_Visitor):
+    """The audit's walk of a cell, keeping every module member the cell names (``_path`` spells out its imports)
+    instead of the audit's findings."""
+
+    def _flag(self, node: ast.AST, what: str) -> None:
+        pass
+
+    def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+        super().visit_ImportFrom(node)
+        self.found += [(node.lineno, self.modules[alias.asname or alias.name]) for alias in node.names]
+
+    def visit_Attribute(self, node: ast.Attribute) -> None:
+        path = self._path(node)
+        if path:
+            self.found.append((node.lineno, path))
+        super().visit_Attribute(node)
 
 
 def _answers_of(exercise: str) -> dict[int, str]:
@@ -79,7 +91,7 @@ def _answers_of(exercise: str) -> dict[int, str]:
                         reaching.add(key)
                         suspects.setdefault(id(value), f"which reaches {name}, {own}")
                         grown = True
-        for why, names in answers.library.items():
+        for names in answers.library.values():
             for name in names:
                 owner = name.rstrip("?").rpartition(".")[0]
                 try:
@@ -87,34 +99,6 @@ def _answers_of(exercise: str) -> dict[int, str]:
                 except (ImportError, AttributeError, ValueError):
                     pass
     return suspects
-
-
-def _paths(code: str, modules: dict[str, str]) -> list[tuple[int, str]]:
-    """(line, dotted path) of every module member a cell names: imported, or reached through a name imported here
-    or in an earlier cell (``modules``, which this cell's imports extend)."""
-    try:
-        tree = ast.parse(_without_magics(code))
-    except SyntaxError:
-        return []
-    found = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            for alias in node.names:
-                modules[alias.asname or alias.name.split(".")[0]] = alias.name if alias.asname else \
-                    alias.name.split(".")[0]
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            for alias in node.names:
-                modules[alias.asname or alias.name] = f"{node.module}.{alias.name}"
-                found.append((node.lineno, f"{node.module}.{alias.name}"))
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute):
-            parts, inner = [], node
-            while isinstance(inner, ast.Attribute):
-                parts.append(inner.attr)
-                inner = inner.value
-            if isinstance(inner, ast.Name) and inner.id in modules:
-                found.append((node.lineno, ".".join([modules[inner.id], *reversed(parts)])))
-    return sorted(set(found))
 
 
 def _resolve(path: str, suspects: dict[int, str]) -> str | None:

@@ -29,12 +29,13 @@ import torch.nn as nn
 
 from dtcourse.mesh import Mesh
 from dtcourse.models import GPT, lm_loss
+from dtcourse.parallel_3d.cost import HeldStage
 from dtcourse.parallel_3d.plan import Plan
 from dtcourse.pipeline import PipelineExecutor, schedules
 from dtcourse.pipeline.partition import gpt_boundary_shape, split_gpt, stages_of_rank
 from dtcourse.tensor_parallel import parallelize as tensor_parallelize
 from dtcourse.tensor_parallel import vocab_parallel_lm_loss
-from dtcourse.tensor_parallel.layers import gather_shards
+from dtcourse.tensor_parallel.layers import full_of, gather_shards
 from dtcourse.zero import ZeRO
 
 __all__ = ["parallelize", "Parallel3D"]
@@ -103,6 +104,11 @@ class Parallel3D:
         for stage in self.stages.values():
             stage.zero_grad()
 
+    def held_stages(self) -> list[HeldStage]:
+        """This rank's stages as ``cost.py``'s formulas take them: first or last, blocks, ZeRO's padded Ψ_s."""
+        return [HeldStage(z.module.first, z.module.last, len(z.module.blocks),
+                          sum(f.padded for f in z._flats(trainable=True))) for z in self.stages.values()]
+
     def full_parameters(self) -> dict[str, torch.Tensor]:
         return self._gathered({n: t for z in self.stages.values() for n, t in z.full_parameters().items()})
 
@@ -112,8 +118,7 @@ class Parallel3D:
     def _gathered(self, over_dp: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """ZeRO's full tensors (over dp), then over tp (each sharded parameter's dimension), then every stage."""
         held = {n: p for z in self.stages.values() for n, p in z.module.named_parameters()}
-        mine = {n: gather_shards(t, held[n].tp_dim, held[n].tp_parts, self.tp_group) if hasattr(held[n], "tp_dim")
-                else t for n, t in over_dp.items()}
+        mine = {n: full_of(held[n], t, self.tp_group) for n, t in over_dp.items()}
         everyone: list = [None] * self.plan.pp
         dist.all_gather_object(everyone, {n: t.cpu() for n, t in mine.items()}, group=self.pp_group)
         return {n: t for part in everyone for n, t in part.items()}

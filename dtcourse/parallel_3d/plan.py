@@ -91,6 +91,11 @@ class Plan:
         rows, i = t.shape[0] // self.dp, self.dims.coordinates(rank)["dp"]
         return t[i * rows:(i + 1) * rows]
 
+    def microbatch_rows(self, batch: int) -> list[int]:
+        """The rows of each of a replica's micro-batches, for a global batch of ``batch`` rows (as the pipeline
+        executor cuts them: ``tensor_split``, the first ones one row longer where they do not divide)."""
+        return [len(part) for part in torch.arange(batch // self.dp).tensor_split(self.microbatches)]
+
     def check(self, config: GPTConfig, world_size: int, batch: int | None = None) -> None:
         """Raise a ValueError saying what to change unless the plan fits this model, world and global batch."""
         self.dims.check(world_size)                               # dp · pp · tp == world size

@@ -19,8 +19,8 @@ from dtcourse.tensor_parallel.communications import (
     copy_to_tensor_parallel, gather_from_sequence_parallel, reduce_from_tensor_parallel,
     reduce_scatter_to_sequence_parallel)
 from dtcourse.tensor_parallel.layers import (
-    ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, check_divides, check_ids, gather_shards, shard_of,
-    vocab_parallel_cross_entropy)
+    ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, check_divides, check_ids, full_of, gather_shards,
+    shard_of, vocab_parallel_cross_entropy)
 from dtcourse.tensor_parallel.parallelize import (
     PositionShard, SequenceParallelGrads, ShardedDropout, TensorParallel, all_reduce_sequence_parallel_grads,
     parallelize, sequence_parallel_parameters, tensor_parallel_group, vocab_parallel_lm_loss)
@@ -28,6 +28,6 @@ from dtcourse.tensor_parallel.parallelize import (
 __all__ = ["copy_to_tensor_parallel", "reduce_from_tensor_parallel",
            "gather_from_sequence_parallel", "reduce_scatter_to_sequence_parallel"]
 __all__ += ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
-            "check_divides", "check_ids", "shard_of", "gather_shards"]
+            "check_divides", "check_ids", "shard_of", "gather_shards", "full_of"]
 __all__ += ["parallelize", "vocab_parallel_lm_loss", "all_reduce_sequence_parallel_grads", "TensorParallel",
             "SequenceParallelGrads", "sequence_parallel_parameters", "PositionShard", "ShardedDropout", "tensor_parallel_group"]

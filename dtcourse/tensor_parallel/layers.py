@@ -28,7 +28,7 @@ from dtcourse.tensor_parallel.communications import (
     copy_to_tensor_parallel, gather_from_sequence_parallel, reduce_from_tensor_parallel,
     reduce_scatter_to_sequence_parallel)
 
-__all__ = ["check_divides", "check_ids", "shard_of", "gather_shards", "ColumnParallelLinear", "RowParallelLinear",
+__all__ = ["check_divides", "check_ids", "shard_of", "gather_shards", "full_of", "ColumnParallelLinear", "RowParallelLinear",
            "VocabParallelEmbedding", "vocab_parallel_cross_entropy"]
 
 
@@ -53,6 +53,14 @@ def gather_shards(shard: torch.Tensor, dim: int, parts: int, group: dist.Process
     dist.all_gather(shards, shard.detach().contiguous(), group=group)   # sends (t-1)/t of the full tensor
     split = [s.unflatten(dim, (parts, -1)) for s in shards]      # t x (..., parts, n/(t parts), ...)
     return torch.cat(split, dim=dim + 1).flatten(dim, dim + 1)
+
+
+def full_of(p: nn.Parameter, value: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The full tensor of ``value`` (the parameter ``p`` itself, or its gradient): gathered over ``group`` if ``p``
+    is a shard of a split layer (``p.tp_dim``), else as it is."""
+    if hasattr(p, "tp_dim"):
+        return gather_shards(value, p.tp_dim, p.tp_parts, group)
+    return value.detach()
 
 
 def _split_parameter(full: torch.Tensor, dim: int, rank: int, t: int, parts: int = 1) -> nn.Parameter:

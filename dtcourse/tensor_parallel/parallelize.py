@@ -45,8 +45,8 @@ import torch.nn.functional as F
 from dtcourse.mesh import Mesh
 from dtcourse.models import GPT, lm_loss
 from dtcourse.tensor_parallel.layers import (
-    ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, _replicated, check_divides, gather_shards,
-    vocab_parallel_cross_entropy)
+    ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, _replicated, check_divides, full_of,
+    gather_shards, vocab_parallel_cross_entropy)
 
 __all__ = ["parallelize", "vocab_parallel_lm_loss", "all_reduce_sequence_parallel_grads", "TensorParallel",
            "SequenceParallelGrads", "sequence_parallel_parameters", "PositionShard", "ShardedDropout",
@@ -231,12 +231,6 @@ class SequenceParallelGrads:
         self.pending.clear()
 
 
-def _full(p: torch.Tensor, value: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    if hasattr(p, "tp_dim"):
-        return gather_shards(value, p.tp_dim, p.tp_parts, group)
-    return value.detach()
-
-
 class TensorParallel:
     """``dtcourse.parity.Parallel`` for ``parallelize``: every rank trains on the whole batch.
 
@@ -259,10 +253,10 @@ class TensorParallel:
         return gather_shards(logits.detach(), logits.dim() - 1, 1, self.group)  # (B, T, V), for the check only
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
-        return {n: _full(p, p.grad, self.group) for n, p in self.model.named_parameters() if p.grad is not None}
+        return {n: full_of(p, p.grad, self.group) for n, p in self.model.named_parameters() if p.grad is not None}
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        return {n: _full(p, p, self.group) for n, p in self.model.named_parameters()}
+        return {n: full_of(p, p, self.group) for n, p in self.model.named_parameters()}
 
     def step(self) -> None:
         self.optimizer.step()
